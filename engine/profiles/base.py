@@ -1,0 +1,60 @@
+"""What a profile is: how prompts are rendered, turns parsed and observations written."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import attrs
+
+Action = Literal["answer", "tool", "invalid"]
+
+
+@attrs.frozen
+class ToolCall:
+    """One call the model asked for. `error` is set when the call could not be parsed."""
+
+    name: str
+    arguments: Any = attrs.field(factory=dict)
+    error: str | None = None  # e.g. "malformed_call": answered with an error observation
+    detail: str = ""  # what was wrong, for the model to read
+
+
+@attrs.frozen
+class Turn:
+    """What one model turn asks for: a final answer, tool calls, or nothing usable."""
+
+    action: Action
+    calls: tuple[ToolCall, ...] = ()
+    answer: str | None = None
+
+
+@attrs.frozen
+class CallResult:
+    """The answer to one call: text for the model, the error kind (None on success)."""
+
+    call: ToolCall
+    text: str
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class Profile(Protocol):
+    """A prompt and tool-call format. `retool` and `chat` ship; others plug in by name."""
+
+    name: str
+
+    def render_prompt(self, prompt: Any, tools: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the prompt, the tools' schemas included."""
+        ...
+
+    def parse_turn(self, text: str) -> Turn:
+        """Read one model turn's text."""
+        ...
+
+    def observation_ids(self, turn: Turn, results: list[CallResult]) -> list[int]:
+        """Token ids to append after the turn (mask 0): tool results or an invalid-action note."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens kept (as slime keeps them)."""
+        ...

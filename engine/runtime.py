@@ -1,0 +1,63 @@
+"""What all samples of one event loop share: settings, tokenizer, profile, HTTP pool, tool slots."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import attrs
+
+import tools
+from engine.client import SGLangClient, make_http_client
+from engine.config import EngineConfig
+from engine.profiles import Profile, make_profile
+from engine.tokenizer import load_tokenizer
+from engine.toolrun import ToolRunner
+
+
+@attrs.define(eq=False)
+class Runtime:
+    """Built once per (settings, event loop); cheap to look up per sample."""
+
+    cfg: EngineConfig
+    tokenizer: Any
+    profile: Profile
+    client: SGLangClient
+    tool_runner: ToolRunner
+
+    @classmethod
+    def create(cls, cfg: EngineConfig, *, tokenizer: Any = None, http: Any = None) -> Runtime:
+        """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
+        for module in cfg.tool_modules:
+            importlib.import_module(module)
+        configure_builtin_tools(cfg)
+        tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
+        client = SGLangClient(cfg.server_url, http if http is not None else make_http_client(cfg), cfg.retry)
+        return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg))
+
+    def tool_schemas(self, allowed: frozenset[str]) -> list[dict[str, Any]]:
+        """The schemas shown in the prompt, in registry order."""
+        return [tools.get(n).schema() for n in tools.names() if n in allowed]  # type: ignore[union-attr]
+
+    def allowed_tools(self, requested: Any = None) -> frozenset[str]:
+        """Registered tools, narrowed by the settings and by a sample's own list."""
+        allowed = set(tools.names())
+        if self.cfg.tools is not None:
+            allowed &= set(self.cfg.tools)
+        if requested is not None:
+            allowed &= set(requested)
+        return frozenset(allowed)
+
+    async def aclose(self) -> None:
+        await self.client.http.aclose()
+
+
+def configure_builtin_tools(cfg: EngineConfig) -> None:
+    """Give the shipped code interpreter the configured time limit."""
+    try:
+        from tools import code_interpreter
+    except ImportError:  # pragma: no cover - shipped with the package
+        return
+    configure = getattr(code_interpreter, "configure", None)
+    if configure is not None:
+        configure(timeout_s=cfg.tool_timeout)

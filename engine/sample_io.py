@@ -1,0 +1,105 @@
+"""Reading and writing slime's `Sample`, duck-typed: the only module that knows its fields.
+
+slime is not importable here, so nothing checks `isinstance`; statuses are set through
+`type(sample).Status` so slime's own enum is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.rollout import Rollout
+
+# Keys of sample.metadata this engine writes; RESET removes them all.
+ENGINE_KEYS = (
+    "fsm_trace",
+    "termination_reason",
+    "turns",
+    "tool_stats",
+    "engine_error",
+    "invariant_violation",
+    "generation_time",
+    "tool_time",
+    "weight_versions",
+    "profile",
+)
+
+
+def _set(sample: Any, name: str, value: Any) -> None:
+    """Set a field the sample has (a stand-in may lack optional ones)."""
+    if hasattr(sample, name):
+        setattr(sample, name, value)
+
+
+def _fresh(value: Any) -> Any:
+    """A new empty instance of a stats object's class (slime's SpecInfo, PrefixCacheInfo)."""
+    try:
+        return type(value)()
+    except Exception:
+        return value
+
+
+def clear_sample(sample: Any) -> None:
+    """Forget every per-sample field an earlier attempt may have left (I5)."""
+    sample.tokens = []
+    sample.response = ""
+    sample.response_length = 0
+    sample.loss_mask = None
+    sample.rollout_log_probs = None
+    for name in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts", "reward"):
+        _set(sample, name, None)
+    _set(sample, "weight_versions", [])
+    _set(sample, "non_generation_time", 0.0)
+    for name in ("spec_info", "prefix_cache_info"):
+        if getattr(sample, name, None) is not None:
+            setattr(sample, name, _fresh(getattr(sample, name)))
+    status = getattr(type(sample), "Status", None)
+    if status is not None:
+        sample.status = status.PENDING
+    metadata = getattr(sample, "metadata", None)
+    if isinstance(metadata, dict):
+        for key in ENGINE_KEYS:
+            metadata.pop(key, None)
+    else:
+        _set(sample, "metadata", {})
+
+
+def write_sample(sample: Any, r: Rollout) -> None:
+    """Hand the rollout to the sample: every per-token field from the one trajectory."""
+    traj = r.traj
+    sample.tokens = traj.prompt_ids.tolist() + traj.response_ids.tolist()
+    sample.response = r.text
+    sample.response_length = traj.response_length
+    sample.loss_mask = traj.loss_mask.tolist()
+    sample.rollout_log_probs = traj.logprobs.tolist()
+    _set(sample, "rollout_top_p_token_ids", traj.top_p_ids.tolist() if traj.top_p_ids is not None else None)
+    _set(sample, "rollout_top_p_token_offsets", traj.top_p_offsets.tolist() if traj.top_p_offsets is not None else None)
+    _set(sample, "weight_versions", list(r.weight_versions))
+    if hasattr(sample, "non_generation_time"):
+        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.tool_time
+    status = getattr(type(sample), "Status", None)
+    if status is not None and r.state in status.__members__:
+        sample.status = status[r.state]
+    metadata = getattr(sample, "metadata", None)
+    if not isinstance(metadata, dict):
+        metadata = {}
+        _set(sample, "metadata", metadata)
+    metadata.update(rollout_metadata(r))
+
+
+def rollout_metadata(r: Rollout) -> dict[str, Any]:
+    """What the trace tools read back: the path, why it ended, per-turn and per-tool records."""
+    meta: dict[str, Any] = {
+        "fsm_trace": [list(edge) for edge in r.trace],
+        "termination_reason": r.reason,
+        "turns": list(r.turn_log),
+        "tool_stats": dict(r.tool_stats),
+        "generation_time": round(r.generation_time, 6),
+        "tool_time": round(r.tool_time, 6),
+        "profile": r.cfg.profile,
+    }
+    if r.error:
+        meta["engine_error"] = r.error
+    if r.violation:
+        meta["invariant_violation"] = r.violation
+    return meta

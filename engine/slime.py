@@ -1,0 +1,86 @@
+"""slime's custom generate function and reward, backed by the rollout machine.
+
+    --custom-generate-function-path engine.slime.generate
+    --custom-rm-path engine.slime.reward_func
+    --custom-config-path engine.yaml      # engine_profile, engine_max_turns, ...
+
+`generate` never raises into slime's `gather` (except on cancellation): every failure
+is a status with its reason in `sample.metadata["termination_reason"]`.
+With `--partial-rollout`, an ABORTED sample is restarted from its prompt on the next
+call (resuming is not implemented yet), so it never stitches tokens across attempts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.driver import drive, new_rollout
+from engine.reward import retool_score
+from engine.rollout import Rollout
+from engine.runtime import Runtime
+from engine.sample_io import clear_sample, write_sample
+
+log = logging.getLogger(__name__)
+
+# Per event loop (httpx pools and semaphores are loop-bound), per settings.
+_runtimes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[EngineConfig, Runtime]] = weakref.WeakKeyDictionary()
+_runtimes_lock = threading.Lock()
+
+
+def runtime_for(cfg: EngineConfig) -> Runtime:
+    """The runtime of these settings on the running event loop, made on first use."""
+    loop = asyncio.get_running_loop()
+    with _runtimes_lock:
+        per_loop = _runtimes.setdefault(loop, {})
+        rt = per_loop.get(cfg)
+        if rt is None:
+            rt = per_loop[cfg] = Runtime.create(cfg)
+    return rt
+
+
+async def run_sample(rt: Runtime, sample: Any, sampling_params: dict[str, Any]) -> Any:
+    """Roll one sample out through the machine and write the result into it."""
+    metadata = getattr(sample, "metadata", None)
+    requested = metadata.get("tools") if isinstance(metadata, dict) else None
+    r = new_rollout(
+        rt,
+        sample.prompt,
+        sampling_params,
+        sample=sample,
+        routing_key=getattr(sample, "session_id", None),
+        tools_requested=requested,
+    )
+    try:
+        await drive(rt, r)
+    finally:
+        write_sample(sample, r)
+    return sample
+
+
+async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], evaluation: bool = False) -> Any:
+    """slime's custom generate function: one sample, multi-turn with tools, returns the sample."""
+    try:
+        rt = runtime_for(EngineConfig.from_args(args))
+    except Exception as exc:  # settings or tokenizer unusable: every sample says so, none crashes
+        log.error("engine setup failed: %s", exc)
+        return _setup_failed(sample, exc)
+    return await run_sample(rt, sample, sampling_params)
+
+
+def _setup_failed(sample: Any, exc: Exception) -> Any:
+    clear_sample(sample)
+    r = Rollout(EngineConfig(), state="FAILED", reason="engine_setup_failed", error=f"{type(exc).__name__}: {exc}")
+    write_sample(sample, r)
+    return sample
+
+
+async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
+    """retool's reward: the boxed answer against `sample.label`, nudged towards using tools."""
+    metadata = getattr(sample, "metadata", None) or {}
+    tool_calls = int((metadata.get("tool_stats") or {}).get("calls", 0))
+    return retool_score(sample.response or "", getattr(sample, "label", None), tool_calls)

@@ -1,0 +1,227 @@
+"""The per-token arrays of one sample, kept aligned by construction.
+
+`Trajectory` is the only owner of the response ids, rollout logprobs, loss mask and
+the optional top-p replay arrays. Every change goes through one of its methods
+(`reset`, `append_model_turn`, `append_observation`, `trim`, `mask_tokens_before`), each
+of which moves all arrays together, so no other code can make them disagree.
+
+Arrays are `array.array` rather than lists: a 32k-token sample costs ~13 bytes per
+token instead of ~70 for lists of boxed ints and floats, which matters with tens of
+thousands of samples in flight. They become lists only when handed to slime.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import attrs
+
+SegmentKind = Literal["model", "observation"]
+
+
+class InvariantViolation(Exception):
+    """A per-token invariant (I1-I4) does not hold. Always a bug, never expected input."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+        self.detail = detail
+
+
+def _digest(ids: array, logprobs: array) -> int:
+    """A cheap fingerprint of a model segment, so `check(full=True)` can prove I4."""
+    return zlib.crc32(logprobs.tobytes(), zlib.crc32(ids.tobytes()))
+
+
+@attrs.frozen
+class Segment:
+    """A run of response tokens of one origin: one model turn or one observation."""
+
+    kind: SegmentKind
+    start: int
+    end: int
+    digest: int = 0  # of ids+logprobs, model segments only
+
+
+@attrs.define(eq=False, slots=True)
+class Trajectory:
+    """Prompt ids plus the aligned per-token arrays of the response."""
+
+    prompt_ids: array = attrs.field(factory=lambda: array("i"))
+    response_ids: array = attrs.field(factory=lambda: array("i"))
+    logprobs: array = attrs.field(factory=lambda: array("d"))
+    loss_mask: array = attrs.field(factory=lambda: array("b"))
+    segments: list[Segment] = attrs.field(factory=list)
+    # Top-p replay (slime's rollout_top_p_token_ids/offsets): token i's kept ids are
+    # top_p_ids[top_p_offsets[i]:top_p_offsets[i + 1]]. None when the server sends none.
+    top_p_ids: array | None = None
+    top_p_offsets: array | None = None
+
+    # -- reading -----------------------------------------------------------------
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def input_ids(self) -> list[int]:
+        """The ids to send for the next turn: prompt followed by the response so far."""
+        return self.prompt_ids.tolist() + self.response_ids.tolist()
+
+    # -- changing ----------------------------------------------------------------
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start over from a prompt: every per-token array is emptied together."""
+        self.prompt_ids = array("i", prompt_ids)
+        self.response_ids = array("i")
+        self.logprobs = array("d")
+        self.loss_mask = array("b")
+        self.segments = []
+        self.top_p_ids = None
+        self.top_p_offsets = None
+
+    def append_model_turn(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        top_p: tuple[Sequence[int], Sequence[int]] | None = None,
+    ) -> None:
+        """Append tokens the server generated, with their logprobs (mask 1).
+
+        `top_p` is the turn's replay data as (kept ids, offsets with len(ids) + 1 entries
+        starting at 0). Raises ValueError, changing nothing, if lengths disagree.
+        """
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{len(ids)} ids but {len(logprobs)} logprobs")
+        if top_p is not None:
+            kept, offsets = top_p
+            if len(offsets) != len(ids) + 1 or (offsets and (offsets[0] != 0 or offsets[-1] != len(kept))):
+                raise ValueError("top-p offsets do not match the turn's tokens")
+        elif self.top_p_offsets is not None and ids:
+            raise ValueError("this trajectory carries top-p replay but the turn has none")
+        new_ids, new_logprobs = array("i", ids), array("d", logprobs)
+        start = len(self.response_ids)
+        self._extend(new_ids, new_logprobs, 1)
+        if top_p is not None:
+            self._extend_top_p(top_p[0], top_p[1])
+        if new_ids:
+            self.segments.append(Segment("model", start, start + len(new_ids), _digest(new_ids, new_logprobs)))
+
+    def append_observation(self, ids: Sequence[int]) -> None:
+        """Append environment tokens (tool output, template glue): mask 0, logprob 0.0."""
+        if not ids:
+            return
+        start = len(self.response_ids)
+        self._extend(array("i", ids), array("d", bytes(8 * len(ids))), 0)
+        if self.top_p_offsets is not None:
+            # Observation tokens keep no nucleus: empty spans, as slime pads them.
+            self.top_p_offsets.extend([self.top_p_offsets[-1]] * len(ids))
+        self.segments.append(Segment("observation", start, start + len(ids)))
+
+    def trim(self, max_response_length: int) -> int:
+        """Cut every per-token array to `max_response_length` tokens; return how many were cut."""
+        keep = max(0, max_response_length)
+        cut = len(self.response_ids) - keep
+        if cut <= 0:
+            return 0
+        del self.response_ids[keep:]
+        del self.logprobs[keep:]
+        del self.loss_mask[keep:]
+        if self.top_p_offsets is not None and self.top_p_ids is not None:
+            del self.top_p_offsets[keep + 1 :]
+            del self.top_p_ids[self.top_p_offsets[-1] :]
+        kept: list[Segment] = []
+        for seg in self.segments:
+            if seg.start >= keep:
+                break
+            if seg.end > keep:
+                digest = _digest(self.response_ids[seg.start : keep], self.logprobs[seg.start : keep])
+                seg = Segment(seg.kind, seg.start, keep, digest if seg.kind == "model" else 0)
+            kept.append(seg)
+        self.segments = kept
+        return cut
+
+    def mask_tokens_before(self, position: int) -> None:
+        """Set the loss mask to 0 for response tokens before `position` (off-policy masking)."""
+        end = min(position, len(self.loss_mask))
+        self.loss_mask[:end] = array("b", bytes(end))
+
+    def _extend(self, ids: array, logprobs: array, mask: int) -> None:
+        self.response_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.loss_mask.extend(array("b", [mask]) * len(ids))
+
+    def _extend_top_p(self, kept: Sequence[int], offsets: Sequence[int]) -> None:
+        if self.top_p_offsets is None or self.top_p_ids is None:
+            # The first replayed turn may follow plain turns: give those empty spans.
+            self.top_p_ids = array("i")
+            self.top_p_offsets = array("i", [0] * (len(self.response_ids) - len(offsets) + 2))
+        base = self.top_p_offsets[-1]
+        self.top_p_ids.extend(kept)
+        self.top_p_offsets.extend(base + o for o in offsets[1:])
+
+    # -- checking ----------------------------------------------------------------
+    def check(
+        self,
+        *,
+        max_total_length: int | None = None,
+        full: bool = False,
+        decode: Callable[[list[int]], str] | None = None,
+        text: str | None = None,
+    ) -> None:
+        """Raise InvariantViolation unless I1 (and, when asked, I2-I4) hold.
+
+        The cheap form (lengths only, O(1)) runs after every transition; `full=True`
+        walks every token (I4 against each model segment's fingerprint) and is meant
+        for terminal states. I2 is checked when `max_total_length` is given, I3's text
+        half when both `decode` and `text` are given.
+        """
+        n = len(self.response_ids)
+        if not (len(self.logprobs) == n and len(self.loss_mask) == n):
+            raise InvariantViolation(
+                "I1", f"ids={n} logprobs={len(self.logprobs)} loss_mask={len(self.loss_mask)}"
+            )
+        if self.top_p_offsets is not None:
+            if self.top_p_ids is None or len(self.top_p_offsets) != n + 1:
+                raise InvariantViolation("I1", f"top-p offsets={len(self.top_p_offsets)} for {n} tokens")
+            if self.top_p_offsets[0] != 0 or self.top_p_offsets[-1] != len(self.top_p_ids):
+                raise InvariantViolation("I1", "top-p offsets do not span the kept ids")
+        last_end = self.segments[-1].end if self.segments else 0
+        if last_end != n:
+            raise InvariantViolation("I1", f"segments cover {last_end} of {n} tokens")
+        if max_total_length is not None and self.total_length > max_total_length:
+            raise InvariantViolation("I2", f"prompt+response={self.total_length} > budget {max_total_length}")
+        if full:
+            self._check_segments()
+            if decode is not None and text is not None and decode(self.response_ids.tolist()) != text:
+                raise InvariantViolation("I3", "response text differs from decode(response_ids)")
+
+    def _check_segments(self) -> None:
+        expected_start = 0
+        for seg in self.segments:
+            if seg.start != expected_start or seg.end <= seg.start:
+                raise InvariantViolation("I1", f"segment {seg} does not follow {expected_start}")
+            expected_start = seg.end
+            mask = self.loss_mask[seg.start : seg.end]
+            lps = self.logprobs[seg.start : seg.end]
+            if seg.kind == "observation":
+                if any(mask) or any(lp != 0.0 for lp in lps):
+                    raise InvariantViolation("I4", f"observation {seg.start}:{seg.end} has mask 1 or logprob != 0")
+            else:
+                if _digest(self.response_ids[seg.start : seg.end], lps) != seg.digest:
+                    raise InvariantViolation("I4", f"model turn {seg.start}:{seg.end} differs from the server's")
+                if any(math.isnan(lp) or lp > 0.0 for lp in lps):
+                    raise InvariantViolation("I4", f"model turn {seg.start}:{seg.end} has a logprob > 0 or NaN")
+        if self.top_p_offsets is not None and any(
+            b < a for a, b in zip(self.top_p_offsets, self.top_p_offsets[1:])
+        ):
+            raise InvariantViolation("I1", "top-p offsets decrease")

@@ -1,0 +1,45 @@
+"""Fixtures, and the recorder of every machine edge the suite takes (see test_zz_edge_coverage)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import tools
+from engine.machine import RolloutMachine
+
+TAKEN_EDGES: set[tuple[str, str, str]] = set()
+_original_fire = RolloutMachine.fire
+
+
+def _recording_fire(self: RolloutMachine, r: Any, trigger: str) -> bool:
+    ok = _original_fire(self, r, trigger)
+    if ok:
+        TAKEN_EDGES.add(tuple(r.trace[-1]))
+    return ok
+
+
+RolloutMachine.fire = _recording_fire  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def fake_interpreter() -> Iterator[Any]:
+    """Replace the code interpreter by an in-process fake for the test's duration."""
+    from tests.helpers import FakeInterpreter
+
+    original = tools.get("code_interpreter")
+    fake = FakeInterpreter()
+    tools.register(fake, replace=True)
+    yield fake
+    if original is not None:
+        tools.register(original, replace=True)
+    else:
+        tools.unregister("code_interpreter")
+
+
+def run(coro: Any) -> Any:
+    """Run a coroutine on a fresh event loop (the suite needs no asyncio plugin)."""
+    return asyncio.run(coro)

@@ -1,0 +1,190 @@
+"""The tool protocol and the registry that the engine's machine builder reads.
+
+A tool is registered by name, once per process, and from then on it has its own state
+in the rollout machine (`TOOL_<NAME>`), its own edges in the diagrams and in the
+edge-coverage test. This module knows nothing of the engine: arrows run one way.
+
+Two ways to write one:
+
+    @tool
+    async def word_count(text: str) -> str:
+        '''Count the words of a text.'''
+        return str(len(text.split()))
+
+or, for a tool that keeps state per trajectory, subclass `Tool` and override
+`create`/`release` (see `tools/python_session.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import attrs
+
+
+class ToolError(Exception):
+    """Raised by a tool for a failure the model should read as an error observation.
+
+    `kind` is counted per sample (e.g. "bad_arguments", "timeout", "crash").
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@attrs.frozen
+class ToolResult:
+    """What a tool call produced. `error` names the error kind, None on success."""
+
+    text: str
+    error: str | None = None
+
+
+class Tool:
+    """Base class of a tool. Subclasses set `name`, `description`, and implement `execute`.
+
+    `parameters` (a JSON schema of the arguments) is derived from `execute`'s type hints
+    when not given. `execute` receives the per-trajectory state made by `create`
+    (None by default) and the call's arguments as keywords.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    parameters: ClassVar[dict[str, Any] | None] = None
+
+    async def create(self) -> Any:
+        """Make the per-trajectory state; called before a trajectory's first call."""
+        return None
+
+    async def release(self, state: Any) -> None:
+        """Free what `create` made; called once when the trajectory ends."""
+
+    async def execute(self, state: Any, **arguments: Any) -> str | ToolResult:  # pragma: no cover
+        raise NotImplementedError
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI-style function spec the prompt shows the model."""
+        params = self.parameters if self.parameters is not None else schema_from_signature(self.execute)
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": params},
+        }
+
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+def _json_type(annotation: Any) -> dict[str, Any]:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _json_type(options[0]) if len(options) == 1 else {}
+    if origin is typing.Literal:
+        return {"enum": list(typing.get_args(annotation))}
+    if origin in (list, tuple):
+        args = typing.get_args(annotation)
+        return {"type": "array", "items": _json_type(args[0])} if args else {"type": "array"}
+    base = origin or annotation
+    return {"type": _JSON_TYPES[base]} if base in _JSON_TYPES else {}
+
+
+def schema_from_signature(fn: Callable[..., Any]) -> dict[str, Any]:
+    """A JSON schema for `fn`'s keyword parameters, from its type hints and defaults."""
+    hints = typing.get_type_hints(fn)
+    props: dict[str, Any] = {}
+    required: list[str] = []
+    for pname, param in inspect.signature(fn).parameters.items():
+        if pname in ("self", "state") or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            continue
+        props[pname] = _json_type(hints.get(pname, Any))
+        if param.default is inspect.Parameter.empty:
+            required.append(pname)
+    return {"type": "object", "properties": props, "required": required}
+
+
+def check_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
+    """Validate call arguments against the schema's names and basic types; raise ToolError."""
+    if not isinstance(arguments, dict):
+        raise ToolError("bad_arguments", f"arguments must be a JSON object, got {type(arguments).__name__}")
+    props = schema.get("properties", {})
+    missing = [n for n in schema.get("required", []) if n not in arguments]
+    if missing:
+        raise ToolError("bad_arguments", f"missing argument(s): {', '.join(missing)}")
+    unknown = [n for n in arguments if props and n not in props]
+    if unknown:
+        raise ToolError("bad_arguments", f"unknown argument(s): {', '.join(unknown)}")
+    checks = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+    for name, value in arguments.items():
+        expected = props.get(name, {}).get("type")
+        ok = expected not in checks or (isinstance(value, checks[expected]) and not (expected in ("integer", "number") and isinstance(value, bool)))
+        if not ok:
+            raise ToolError("bad_arguments", f"argument {name!r} must be of type {expected}")
+    return arguments
+
+
+class _FunctionTool(Tool):
+    def __init__(self, fn: Callable[..., Awaitable[Any]], name: str, description: str) -> None:
+        self._fn = fn
+        self.name = name  # type: ignore[misc]
+        self.description = description  # type: ignore[misc]
+        self.parameters = schema_from_signature(fn)  # type: ignore[misc]
+
+    async def execute(self, state: Any, **arguments: Any) -> str | ToolResult:
+        return await self._fn(**arguments)
+
+
+_REGISTRY: dict[str, Tool] = {}
+_version = 0
+
+
+def register(tool: Tool, *, replace: bool = False) -> Tool:
+    """Add a tool instance to the registry under `tool.name` (lowercase letters, digits, _)."""
+    global _version
+    name = tool.name
+    if not name or not name.replace("_", "").isalnum() or not name.isascii() or name != name.lower():
+        raise ValueError(f"tool name must be lowercase [a-z0-9_]+, got {name!r}")
+    if name in _REGISTRY and not replace and _REGISTRY[name] is not tool:
+        raise ValueError(f"a tool named {name!r} is already registered")
+    _REGISTRY[name] = tool
+    _version += 1
+    return tool
+
+
+def unregister(name: str) -> None:
+    """Remove a tool (tests use this to undo a registration)."""
+    global _version
+    if _REGISTRY.pop(name, None) is not None:
+        _version += 1
+
+
+def tool(fn: Callable[..., Awaitable[Any]] | None = None, *, name: str | None = None, replace: bool = False) -> Any:
+    """Decorator: register an async function as a stateless tool; its docstring describes it."""
+
+    def wrap(f: Callable[..., Awaitable[Any]]) -> Tool:
+        if not inspect.iscoroutinefunction(f):
+            raise TypeError(f"tool {f.__name__} must be an async function")
+        doc = inspect.getdoc(f) or ""
+        return register(_FunctionTool(f, name or f.__name__, doc.split("\n\n")[0]), replace=replace)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def get(name: str) -> Tool | None:
+    """The tool registered under `name`, or None."""
+    return _REGISTRY.get(name)
+
+
+def names() -> tuple[str, ...]:
+    """Registered tool names, sorted, so machines and diagrams come out the same every time."""
+    return tuple(sorted(_REGISTRY))
+
+
+def version() -> int:
+    """Bumped on every registration change; the engine rebuilds its machine when it moves."""
+    return _version
