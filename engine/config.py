@@ -79,6 +79,7 @@ class EngineConfig:
         retry = RetryPolicy(
             max_attempts=int(get("engine_retry_attempts", 6)),
             deadline=float(get("engine_retry_deadline", 300.0)),
+            base_delay=float(get("engine_retry_base_delay", 0.5)),
         )
         concurrency = int(get("sglang_server_concurrency", 512))
         engines = max(1, int(get("rollout_num_gpus", 1)) // max(1, int(get("rollout_num_gpus_per_engine", 1))))

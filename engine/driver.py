@@ -138,7 +138,7 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
                 r.text = text.sync(r.traj.response_ids)
             except asyncio.CancelledError:
                 r.error = "cancelled while in " + r.state
-                _fire_fault(machine, r, "cancelled")
+                _fire_fault(machine, r, "cancelled" if machine.can(r, "cancelled") else "crashed")
                 raise
             except Exception as exc:
                 r.error = f"{type(exc).__name__}: {exc}"

@@ -105,14 +105,20 @@ def tool_edges(name: str) -> list[Edge]:
     ]
 
 
-def fault_edges(states: list[str]) -> list[Edge]:
-    """Edges every state has: an engine error, a cancellation, a broken invariant."""
+def fault_edges(states: list[str], awaiting: set[str]) -> list[Edge]:
+    """Edges every state has: an engine error, a cancellation while awaiting, a broken invariant.
+
+    `cancelled` leaves only states whose step awaits (GENERATE, the tools): the others
+    never yield to the event loop. `invariant_violated` leaves every state an edge enters
+    (so not RESET), terminals included: a sample whose arrays broke is never handed on.
+    """
     edges: list[Edge] = []
     for state in states:
         if state not in TERMINALS:
             edges.append(Edge(state, "crashed", FAILED))
+        if state in awaiting:
             edges.append(Edge(state, "cancelled", ABORTED))
-        if state != ABORTED:
+        if state not in (RESET, ABORTED):
             edges.append(Edge(state, "invariant_violated", ABORTED, None, a.discard_response))
     return edges
 
@@ -133,7 +139,7 @@ class MachineSpec:
         edges = core_edges()
         for n in names:
             edges += tool_edges(n)
-        edges += fault_edges(states)
+        edges += fault_edges(states, {GENERATE, *tool_states})
         return cls(tuple(states), tuple(edges), tool_states)
 
     def triples(self) -> set[tuple[str, str, str]]:
@@ -193,6 +199,10 @@ class RolloutMachine:
             after_state_change=_record_and_check,
         )
         self._events = self._machine.events
+
+    def can(self, r: Rollout, trigger: str) -> bool:
+        """Whether `trigger` has any edge from `r`'s state (guards aside)."""
+        return bool(self._machine.get_transitions(trigger, source=r.state))
 
     def fire(self, r: Rollout, trigger: str) -> bool:
         """Take the first edge of `trigger` from `r.state` whose guard holds; False if none."""

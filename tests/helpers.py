@@ -106,6 +106,7 @@ def make_args(**overrides: Any) -> argparse.Namespace:
         "sglang_server_concurrency": 64,
         "engine_retry_attempts": 3,
         "engine_retry_deadline": 5.0,
+        "engine_retry_base_delay": 0.01,
     }
     base.update(overrides)
     return argparse.Namespace(**base)

@@ -22,8 +22,21 @@ from engine.server.settings import ServerSettings
 log = logging.getLogger("engine.server")
 
 
+class _DropGrpcProbe(logging.Filter):
+    """sglang-router probes every worker for gRPC by sending an HTTP/2 preface ("PRI * HTTP/2.0");
+    aiohttp logs each probe as an error with a traceback. The probe is expected: drop that record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return "PRI/Upgrade" not in f"{record.getMessage()} {exc}"
+
+
+_GRPC_PROBE_FILTER = _DropGrpcProbe()
+
+
 async def start_site(settings: ServerSettings) -> tuple[web.AppRunner, str]:
     """Build the app (model loading runs in a thread), bind it, and return (runner, base URL)."""
+    logging.getLogger("aiohttp.server").addFilter(_GRPC_PROBE_FILTER)  # idempotent: same object
     app = await asyncio.to_thread(build_app, settings)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
