@@ -64,7 +64,8 @@ async def step_tool_call(rt: Runtime, r: Rollout) -> str:
     assert r.turn is not None
     order = {id(call): i for i, call in enumerate(r.turn.calls)}  # answers in the turn's call order
     results = sorted(r.results, key=lambda res: order.get(id(res.call), len(order)))
-    r.observation_ids = rt.profile.observation_ids(r.turn, results)
+    last = r.traj.response_ids[-1] if r.traj.response_length else None
+    r.observation_ids = rt.profile.observation_ids(r.turn, results, last)
     return "observe"
 
 

@@ -1,5 +1,11 @@
-"""Tools the model can call, registered by name. Importing this package registers the built-ins."""
+"""Tools the model can call, registered by name. Importing this package registers the built-ins.
+
+Built-ins: `code_interpreter` (Python in an isolated subprocess, as slime's retool
+example names it) and `python_session` (a stateful Python session per trajectory, the
+example of writing your own tool). See tools/registry.py for the protocol.
+"""
 
 from tools.registry import Tool, ToolError, ToolResult, check_arguments, get, names, register, tool, unregister
+from tools import code_interpreter, python_session  # noqa: E402,F401  (registers the built-ins)
 
 __all__ = ["Tool", "ToolError", "ToolResult", "check_arguments", "get", "names", "register", "tool", "unregister"]

@@ -51,8 +51,12 @@ class Profile(Protocol):
         """Read one model turn's text."""
         ...
 
-    def observation_ids(self, turn: Turn, results: list[CallResult]) -> list[int]:
-        """Token ids to append after the turn (mask 0): tool results or an invalid-action note."""
+    def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None) -> list[int]:
+        """Token ids to append after the turn (mask 0): tool results or an invalid-action note.
+
+        `last_token` is the turn's last token, so a template can close a turn that ended on a
+        stop string rather than on its end-of-turn token.
+        """
         ...
 
     def decode(self, ids: list[int]) -> str:

@@ -118,7 +118,7 @@ class RetoolProfile:
             return INVALID_ACTION
         return "".join(f"\n\n<interpreter>\n{r.text}\n</interpreter>\n\n" for r in results)
 
-    def observation_ids(self, turn: Turn, results: list[CallResult]) -> list[int]:
+    def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
         return self.encode(self.observation_text(turn, results))
 
     def encode(self, text: str) -> list[int]:

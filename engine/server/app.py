@@ -22,8 +22,9 @@ from engine.server.settings import ServerSettings
 log = logging.getLogger("engine.server")
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose wire format this server follows
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-_FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. "
-            "(When there are running or waiting requests, the operation will not be performed.)\n")
+_FLUSH_NOTE = "(When there are running or waiting requests, the operation will not be performed.)\n"
+_FLUSHED = "Cache flushed.\nPlease check backend logs for more details. " + _FLUSH_NOTE
+_NOT_FLUSHED = "Cache not flushed. Please check backend logs for more details. " + _FLUSH_NOTE
 
 
 @attrs.define(eq=False)
@@ -163,8 +164,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     """GET|POST /flush_cache: plain text; 400 while requests are in flight, as SGLang does."""
     running, waiting = request.app[STATE].scheduler.loads()
     if running or waiting:
-        return web.Response(status=400, text="Cache not flushed. Please check backend logs for more details. "
-                                             "(When there are running or waiting requests, the operation will not be performed.)\n")
+        return web.Response(status=400, text=_NOT_FLUSHED)
     return web.Response(text=_FLUSHED)
 
 
@@ -248,10 +248,16 @@ def build_app(settings: ServerSettings) -> web.Application:
         app[STATE].unpaused.set()
         scheduler.start()
 
+    async def on_shutdown(app: web.Application) -> None:
+        # Runs before aiohttp waits for in-flight handlers: abort them so shutdown is quick and
+        # clients get SGLang's abort response rather than a dropped connection.
+        scheduler.abort("", abort_all=True)
+
     async def on_cleanup(app: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
 
     app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     for method in ("POST", "PUT"):
         app.router.add_route(method, "/generate", generate)

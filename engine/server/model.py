@@ -70,6 +70,14 @@ def reported_logprobs(logits: torch.Tensor, params: SamplerParams) -> torch.Tens
     return torch.log_softmax(logits, dim=-1).clamp(min=torch.finfo(torch.float32).min)
 
 
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Inverse-CDF draw from unnormalised probs: 20x cheaper than torch.multinomial over a 150k
+    vocabulary on the CPU, and just as deterministic for a seeded generator."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    threshold = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, threshold, right=True)), probs.numel() - 1)
+
+
 def sample_token(logits: torch.Tensor, params: SamplerParams, generator: torch.Generator) -> tuple[int, float]:
     """Draw one token from a 1-D logits vector; returns (token id, reported logprob)."""
     logprobs = reported_logprobs(logits, params)
@@ -77,20 +85,19 @@ def sample_token(logits: torch.Tensor, params: SamplerParams, generator: torch.G
         token = int(torch.argmax(logprobs))
         return token, float(logprobs[token])
     probs = logprobs.exp()
-    if 0 < params.top_k < probs.numel():
-        kth = torch.topk(probs, params.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=0)
-        # Keep a token while the mass before it is below top_p, so the first token always stays.
-        drop = (cumulative - sorted_probs) >= params.top_p * cumulative[-1]
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    # Inverse-CDF sampling: 20x cheaper than torch.multinomial over a 150k vocabulary on the CPU.
-    cdf = torch.cumsum(probs.double(), dim=0)
-    threshold = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
-    token = min(int(torch.searchsorted(cdf, threshold, right=True)), probs.numel() - 1)
+    if 0 < params.top_k < probs.numel() or params.top_p < 1.0:
+        # Candidates in descending order: the top_k best, or the whole vocabulary for top_p alone.
+        if 0 < params.top_k < probs.numel():
+            cand, order = torch.topk(probs, params.top_k)
+        else:
+            cand, order = torch.sort(probs, descending=True)
+        if params.top_p < 1.0:
+            before = torch.cumsum(cand, dim=0) - cand
+            # Keep a token while the mass before it is below top_p, so the best token always stays.
+            cand = cand.masked_fill(before >= params.top_p * cand.sum(), 0.0)
+        token = int(order[_draw(cand, generator)])
+    else:
+        token = _draw(probs, generator)
     return token, float(logprobs[token])
 
 

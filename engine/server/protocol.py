@@ -94,7 +94,10 @@ def _serde_kind(value: Any) -> str:
 
 
 def _typed(params: dict[str, Any], key: str, kind: str, default: Any) -> Any:
-    """params[key] checked against a JSON type ('i64', 'f64', 'bool'); null gives the default."""
+    """params[key] checked against a JSON type ('i64', 'f64', 'bool'); null gives the default.
+
+    An 'f64' may be a JSON integer; it is returned as sent so error messages quote it unchanged.
+    """
     value = params.get(key)
     if value is None:
         return default
@@ -105,7 +108,7 @@ def _typed(params: dict[str, Any], key: str, kind: str, default: Any) -> Any:
     }[kind]
     if not ok:
         raise RequestError.message(f"invalid type: {_serde_kind(value)}, expected {kind} (sampling_params.{key})")
-    return float(value) if kind == "f64" else value
+    return value
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -120,19 +123,20 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
 
 
 def _sampler(params: dict[str, Any]) -> SamplerParams:
+    # Messages quote the value as sent (SGLang does not coerce JSON ints to floats first).
     temperature = _typed(params, "temperature", "f64", 1.0)
     top_p = _typed(params, "top_p", "f64", 1.0)
     top_k = _typed(params, "top_k", "i64", -1)
+    min_p = _typed(params, "min_p", "f64", 0.0)
     if not math.isfinite(temperature) or temperature < 0:
         raise RequestError.message(f"temperature must be non-negative, got {temperature}.")
     if not 0.0 < top_p <= 1.0:
         raise RequestError.message(f"top_p must be in (0, 1], got {top_p}.")
     if top_k != -1 and top_k < 1:
         raise RequestError.message(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
-    min_p = _typed(params, "min_p", "f64", 0.0)
     if not 0.0 <= min_p <= 1.0:
         raise RequestError.message(f"min_p must be in [0, 1], got {min_p}.")
-    return SamplerParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    return SamplerParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k)
 
 
 def _check_context(n_input: int, requested: int | None, context_length: int) -> int:
@@ -181,8 +185,11 @@ def parse_one(*, rid: str, input_ids: Any, params: Any, flags: dict[str, bool], 
     sampler = _sampler(params)
     stop_token_ids = params.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) for t in stop_token_ids):
-        raise RequestError.message(f"invalid type: {_serde_kind(stop_token_ids)}, expected a list of i64 (stop_token_ids)")
+        kind = _serde_kind(stop_token_ids)
+        raise RequestError.message(f"invalid type: {kind}, expected a list of i64 (stop_token_ids)")
     seed = _typed(params, "sampling_seed", "i64", None)
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise RequestError.message(f"sampling_seed must be a 64-bit integer, got {seed}.")
     ignore_eos = _typed(params, "ignore_eos", "bool", False)
     return GenerateSpec(
         rid=rid,

@@ -38,7 +38,8 @@ async def start_site(settings: ServerSettings) -> tuple[web.AppRunner, str]:
     """Build the app (model loading runs in a thread), bind it, and return (runner, base URL)."""
     logging.getLogger("aiohttp.server").addFilter(_GRPC_PROBE_FILTER)  # idempotent: same object
     app = await asyncio.to_thread(build_app, settings)
-    runner = web.AppRunner(app, access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()

@@ -152,6 +152,13 @@ class Scheduler:
                     self._finish(job, ABORT_RUNNING)
                 else:
                     self._guarded(job, self._advance)
+        # Stopping: nothing may be left waiting forever on a future.
+        self._drain(block=False)
+        for job in list(self._waiting):
+            self._finish(job, ABORT_WAITING, queued=True)
+        for job in list(self._running):
+            self._finish(job, ABORT_RUNNING)
+        self._waiting.clear()
 
     def _drain(self, block: bool) -> None:
         try:

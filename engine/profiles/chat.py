@@ -1,0 +1,127 @@
+"""The `chat` profile: the tokenizer's own chat template, Hermes/Qwen3-style `<tool_call>`s.
+
+The prompt is `apply_chat_template(messages, tools=..., add_generation_prompt=True)`.
+After a model turn, only the appended delta is tokenized: the template's glue around the
+tool messages (closing the turn, the tool responses, opening the next assistant turn),
+never the model's own tokens, which stay exactly the server's. The glue tokens get mask 0.
+
+The delta is learnt from the template itself, by rendering a conversation around a
+sentinel assistant turn, so any template that renders tool messages works. Whether the
+incremental token stream equals a full render is checked once per tokenizer
+(`template_drift`) and reported: Qwen3's template, for one, rewrites past turns that
+hold `<think>` blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from engine.profiles.base import CallResult, ToolCall, Turn
+from engine.profiles.retool import ANSWER_RE, parse_tool_call_json
+
+log = logging.getLogger(__name__)
+_SENTINEL = "@@assistant-turn-sentinel@@"
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_hermes_turn(text: str) -> Turn:
+    """Every `<tool_call>{json}</tool_call>` of the turn; a turn with none is the final answer."""
+    calls = tuple(parse_tool_call_json(body) for body in _TOOL_CALL_RE.findall(text))
+    if "<tool_call>" in text and not calls:  # opened, never closed
+        calls = (ToolCall("", error="malformed_call", detail="<tool_call> is not closed by </tool_call>"),)
+    if calls:
+        return Turn("tool", calls=calls)
+    answer = ANSWER_RE.search(text)
+    return Turn("answer", answer=answer.group(1).strip() if answer else None)
+
+
+class ChatProfile:
+    """Prompts and tool responses rendered by the tokenizer's chat template."""
+
+    name = "chat"
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the chat profile needs a tokenizer with a chat template")
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token
+        self.eos_id = tokenizer.convert_tokens_to_ids(self.eos)
+        self.drift = template_drift(self)
+        if self.drift is not None:
+            log.warning("chat template drift for this tokenizer: %s", self.drift)
+
+    def render_prompt(self, prompt: Any, tools: list[dict[str, Any]]) -> list[int]:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+    def parse_turn(self, text: str) -> Turn:
+        return parse_hermes_turn(text)
+
+    def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
+        """The template's tokens between this turn and the next assistant turn."""
+        contents = [r.text for r in results] or ["Error: the turn had no usable tool call"]
+        delta = self.tool_delta(contents)
+        closed = last_token is None or last_token == self.eos_id
+        return self.encode(delta if closed else self.eos + delta)
+
+    def tool_delta(self, contents: list[str]) -> str:
+        """Text the template puts after an assistant turn's end token for these tool messages."""
+        messages = [
+            {"role": "user", "content": "?"},
+            {"role": "assistant", "content": _SENTINEL},
+            *({"role": "tool", "content": c} for c in contents),
+        ]
+        full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        end = full.index(_SENTINEL + self.eos) + len(_SENTINEL) + len(self.eos)
+        return full[end:]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def incremental_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns: list[tuple[str, list[str]]]) -> list[int]:
+    """Token ids as the engine builds them: prompt, then each model turn and its tool delta."""
+    ids = profile.render_prompt(messages, [])
+    for assistant_text, tool_texts in turns:
+        ids += profile.encode(assistant_text) + [profile.eos_id]
+        results = [CallResult(ToolCall("t"), t) for t in tool_texts]
+        ids += profile.observation_ids(Turn("tool"), results)
+    return ids
+
+
+def full_render_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns: list[tuple[str, list[str]]]) -> list[int]:
+    """The same conversation rendered whole by the template, ready for the next turn."""
+    convo = list(messages)
+    for assistant_text, tool_texts in turns:
+        convo.append({"role": "assistant", "content": assistant_text})
+        convo += [{"role": "tool", "content": t} for t in tool_texts]
+    text = profile.tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
+    return profile.encode(text)
+
+
+def template_drift(profile: ChatProfile) -> str | None:
+    """None when delta tokenization equals a full render on a canned two-call conversation.
+
+    Otherwise a sentence naming the first token where they part, so a user sees at
+    start-up that this template rewrites history (the engine's ids stay the server's).
+    """
+    call = json.dumps({"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}})
+    messages = [{"role": "user", "content": "What is 6 * 7? Use the tool."}]
+    turns = [
+        (f"<think>\nI should use the tool.\n</think>\n\nLet me check.\n<tool_call>\n{call}\n</tool_call>", ["42"]),
+        (f"<tool_call>\n{call}\n</tool_call>", ["42", "again"]),
+    ]
+    ours, theirs = incremental_ids(profile, messages, turns), full_render_ids(profile, messages, turns)
+    if ours == theirs:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return (
+        f"token {at}: incremental {profile.decode(ours[at:at + 8])!r} vs full render {profile.decode(theirs[at:at + 8])!r}"
+    )
