@@ -156,7 +156,7 @@ def finish(rt: Runtime, r: Rollout, machine: RolloutMachine, text: IncrementalTe
     """At the terminal: the full check (I1-I4, I2, and the text against one full decode)."""
     try:
         r.text = text.sync(r.traj.response_ids)
-        r.traj.check(max_total_length=r.limit, full=True, decode=rt.profile.decode, text=r.text)
+        r.traj.check(max_total_length=r.budget_at_end(), full=True, decode=rt.profile.decode, text=r.text)
     except Exception as exc:  # InvariantViolation, or a decode that failed
         r.violation = str(exc) if isinstance(exc, InvariantViolation) else f"text: {exc}"
         if r.state != "ABORTED":

@@ -15,6 +15,11 @@ Guard = Callable[[Rollout], bool]
 
 
 # -- BUDGET_CHECK ---------------------------------------------------------------------
+def prompt_over_budget(r: Rollout) -> bool:
+    """The prompt alone is longer than the budget: nothing can be generated or trained."""
+    return r.limit is not None and r.traj.prompt_length > r.limit
+
+
 def context_full(r: Rollout) -> bool:
     """No token of room is left: the prompt (and response) fill the budget exactly or more."""
     return r.limit is not None and r.traj.total_length >= r.limit

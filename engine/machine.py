@@ -73,6 +73,7 @@ def core_edges() -> list[Edge]:
     return [
         # source        trigger               dest          guard                        action
         E(RESET,        "start",              BUDGET_CHECK, None,                        a.reset_rollout),
+        E(BUDGET_CHECK, "check",              TRUNCATED,    g.prompt_over_budget),
         E(BUDGET_CHECK, "check",              TRUNCATED,    g.context_full),
         E(BUDGET_CHECK, "check",              TRUNCATED,    g.no_new_tokens_asked),
         E(BUDGET_CHECK, "check",              TRUNCATED,    g.max_turns_reached),
@@ -167,7 +168,7 @@ def _record_and_check(event: EventData) -> None:
     r: Rollout = event.model
     r.trace.append((event.transition.source, event.event.name, event.transition.dest))
     try:
-        r.traj.check(max_total_length=r.limit if r.state in TERMINALS else None)
+        r.traj.check(max_total_length=r.budget_at_end() if r.state in TERMINALS else None)
     except InvariantViolation as exc:
         r.violation = str(exc)
 

@@ -56,6 +56,12 @@ class Rollout:
     generation_time: float = 0.0
     tool_time: float = 0.0
 
+    def budget_at_end(self) -> int | None:
+        """I2's bound. A prompt longer than the budget may end only with an empty response."""
+        if self.limit is None:
+            return None
+        return max(self.limit, self.traj.prompt_length)
+
     def stop_because(self, reason: str) -> None:
         """Record why the sample ends; the first reason stands (I6)."""
         if self.reason is None:

@@ -28,6 +28,7 @@ class Sample:
     rollout_top_p_token_offsets: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     reward: float | dict[str, Any] | None = None
+    remove_sample: bool = False
 
     class Status(Enum):
         PENDING = "pending"

@@ -46,6 +46,7 @@ def clear_sample(sample: Any) -> None:
     sample.response_length = 0
     sample.loss_mask = None
     sample.rollout_log_probs = None
+    _set(sample, "remove_sample", False)
     for name in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts", "reward"):
         _set(sample, name, None)
     _set(sample, "weight_versions", [])
@@ -77,6 +78,8 @@ def write_sample(sample: Any, r: Rollout) -> None:
     _set(sample, "weight_versions", list(r.weight_versions))
     if hasattr(sample, "non_generation_time"):
         sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.tool_time
+    if r.reason == "prompt_over_budget":
+        _set(sample, "remove_sample", True)  # slime drops it from training: no token of it fits
     status = getattr(type(sample), "Status", None)
     if status is not None and r.state in status.__members__:
         sample.status = status[r.state]

@@ -40,6 +40,7 @@ class Sample:
     rollout_top_p_token_ids: list[int] | None = None
     rollout_top_p_token_offsets: list[int] | None = None
     rollout_routed_experts: Any = None
+    remove_sample: bool = False
 
     class Status(Enum):
         PENDING = "pending"

@@ -283,3 +283,15 @@ def test_invariant_violation_in_any_state_ends_aborted_with_a_clean_trajectory(s
     assert r.violation.startswith("I1")
     assert r.traj.response_length == 0  # nothing untrusted is handed on
     assert r.text == ""
+
+
+def test_stateful_tool_keeps_variables_across_turns_of_one_trajectory():
+    """The real python_session tool, through the engine: its own state, created and released once."""
+    def session_call(code: str) -> str:
+        return f"<tool_call>{json.dumps({'name': 'python_session', 'arguments': {'code': code}})}</tool_call>"
+
+    r, _ = walk([turn(session_call("x = 20")), turn(session_call("print(x + 22)")), turn(ANSWER)])
+    assert r.state == "COMPLETED"
+    assert ("TOOL_PYTHON_SESSION", "tool_done", "TOOL_CALL") in path(r)
+    assert "\n42\n" in r.text
+    assert r.tool_states == {}  # released at the end

@@ -138,3 +138,14 @@ def slime_prompt_ids() -> list[int]:
 
     schemas = [t.get(n).schema() for n in t.names()]
     return encode(render_retool_prompt("What is 6*7?", schemas))
+
+
+def test_prompt_longer_than_the_budget_ends_truncated_and_is_removed_from_training():
+    """The PR version crashed here: no output at all. Now: TRUNCATED, empty response, removed."""
+    budget = len(slime_prompt_ids()) - 1
+    s, server = rollout([], rollout_max_context_len=budget)
+    assert server.requests == []
+    assert s.status == Sample.Status.TRUNCATED
+    assert s.metadata["termination_reason"] == "prompt_over_budget"
+    assert s.remove_sample is True
+    assert (s.response, s.response_length, s.loss_mask, s.rollout_log_probs) == ("", 0, [], [])
