@@ -30,10 +30,28 @@ def reset_rollout(r: Rollout) -> None:
     r.generation_time = r.tool_time = 0.0
 
 
+def restore_checkpoint(r: Rollout) -> None:
+    """RESUME: clear the sample's fields, then put back the validated partial trajectory."""
+    assert r.resume is not None
+    turn = r.turn  # the cut-off turn, parsed by the driver when tools are to run again
+    reset_rollout(r)
+    r.turn = turn
+    restored = r.resume
+    r.traj = restored.traj
+    r.turns, r.tool_calls = restored.turns, restored.tool_calls
+    r.turn_log = list(restored.turn_log)
+    r.weight_versions = [str(t["weight_version"]) for t in r.turn_log if t.get("weight_version") is not None]
+    r.partial_turn_tokens = restored.partial_turn_tokens
+    r.attempt = restored.attempt + 1
+
+
 def clamp_max_new_tokens(r: Rollout) -> None:
     """The next turn may use what the context has left, never more and never 0."""
     remaining = None if r.limit is None else r.limit - r.traj.total_length
-    caps = [n for n in (r.asked_max_new_tokens, remaining) if n is not None]
+    asked = r.asked_max_new_tokens
+    if asked is not None and r.partial_turn_tokens:
+        asked = max(1, asked - r.partial_turn_tokens)  # a resumed turn keeps its per-turn cap
+    caps = [n for n in (asked, remaining) if n is not None]
     # BUDGET_CHECK let us here only with both caps >= 1; max() is a belt for the braces.
     r.max_new_tokens = max(1, min(caps)) if caps else None
 
@@ -41,7 +59,8 @@ def clamp_max_new_tokens(r: Rollout) -> None:
 def append_model_turn(r: Rollout) -> None:
     """Take the server's ids and logprobs, exactly, into the trajectory (mask 1)."""
     assert r.reply is not None
-    r.traj.append_model_turn(r.reply.ids, r.reply.logprobs, r.reply.top_p)
+    r.traj.append_model_turn(r.reply.ids, r.reply.logprobs, r.reply.top_p, r.reply.weight_version)
+    r.partial_turn_tokens = 0
     _log_turn(r)
 
 
@@ -75,6 +94,7 @@ def plan_tool_calls(r: Rollout) -> None:
     """
     assert r.turn is not None
     r.calls, r.results = [], []
+    r.tool_calls_before_turn = r.tool_calls
     allowed = min(r.cfg.max_calls_per_turn, r.cfg.max_tool_calls - r.tool_calls)
     for call in r.turn.calls:
         if call.error:

@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import tools
-from engine.machine import BUDGET_CHECK, GENERATE, RESET, TERMINALS, TOOL_CALL, TRIM, RolloutMachine, get_machine
+from engine import checkpoint
+from engine.machine import BUDGET_CHECK, GENERATE, RESET, RESUME, TERMINALS, TOOL_CALL, TRIM, RolloutMachine, get_machine
 from engine.rollout import Rollout
 from engine.runtime import Runtime
 from engine.text import IncrementalText
@@ -32,7 +33,22 @@ class NoEdge(RuntimeError):
 
 async def step_reset(rt: Runtime, r: Rollout) -> str:
     r.prompt_ids = rt.profile.render_prompt(r.prompt, rt.tool_schemas(r.allowed_tools))
-    return "start"
+    metadata = getattr(r.sample, "metadata", None)
+    if not (r.cfg.partial_rollout and isinstance(metadata, dict) and checkpoint.KEY in metadata):
+        return "start"
+    restored = checkpoint.validate(r.sample, r.prompt_ids, r.cfg.mask_offpolicy)
+    if isinstance(restored, str):
+        r.resume_rejected = restored
+    else:
+        r.resume = restored
+        if restored.resume_at == "tools":  # the cut-off calls are read again from their turn
+            last = restored.traj.segments[-1]
+            r.turn = rt.profile.parse_turn(rt.profile.decode(restored.traj.response_ids[last.start : last.end].tolist()))
+    return "resume"
+
+
+async def step_resume(rt: Runtime, r: Rollout) -> str:
+    return "continue"
 
 
 async def step_budget_check(rt: Runtime, r: Rollout) -> str:
@@ -52,7 +68,9 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
         return FAILURE_TRIGGERS[outcome.kind]
     r.reply = outcome
     if outcome.problem is None:
-        r.turn = rt.profile.parse_turn(rt.profile.decode(outcome.ids))
+        # A resumed turn continues the tokens it had: parse the whole turn, not the tail.
+        before = r.traj.response_ids[r.traj.response_length - r.partial_turn_tokens :].tolist() if r.partial_turn_tokens else []
+        r.turn = rt.profile.parse_turn(rt.profile.decode(before + outcome.ids))
     else:
         r.error = f"{outcome.problem}: {outcome.problem_detail}"
     return "reply"
@@ -99,6 +117,7 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
 
 STEPS: dict[str, Step] = {
     RESET: step_reset,
+    RESUME: step_resume,
     BUDGET_CHECK: step_budget_check,
     GENERATE: step_generate,
     TOOL_CALL: step_tool_call,
@@ -119,6 +138,7 @@ def _fire_fault(machine: RolloutMachine, r: Rollout, trigger: str) -> None:
         r.error = f"{r.error or ''}; {trigger} failed: {exc}"
         r.traj.reset(r.prompt_ids)
         r.trace.append((r.state, trigger, "ABORTED"))
+        r.guards.append(None)
         r.state = "ABORTED"
         r.reason = r.reason or f"{trigger}_failed"
 
@@ -184,6 +204,7 @@ def new_rollout(
     asked = params.get("max_new_tokens")
     return Rollout(
         rt.cfg,
+        abort_check=rt.abort_requested,
         prompt=prompt,
         sampling_params=params,
         asked_max_new_tokens=None if asked is None else int(asked),

@@ -14,7 +14,33 @@ from engine.wire import LOGPROBS_MISMATCH, LOGPROBS_MISSING, MALFORMED
 Guard = Callable[[Rollout], bool]
 
 
+# -- RESET / RESUME (partial rollout) -------------------------------------------------
+def checkpoint_valid(r: Rollout) -> bool:
+    """The sample's checkpoint matches its fields: continue where it stopped."""
+    return r.resume is not None
+
+
+def checkpoint_rejected(r: Rollout) -> bool:
+    """The checkpoint does not match the sample (edited, another prompt, lengths off)."""
+    return r.resume is None
+
+
+def tools_pending(r: Rollout) -> bool:
+    """The sample stopped while its last turn's tool calls ran: they run again."""
+    return r.resume is not None and r.resume.resume_at == "tools"
+
+
+def generation_pending(r: Rollout) -> bool:
+    """The sample stopped before or during a generation: the next turn is generated."""
+    return r.resume is not None and r.resume.resume_at == "generate"
+
+
 # -- BUDGET_CHECK ---------------------------------------------------------------------
+def abort_requested(r: Rollout) -> bool:
+    """slime (or the caller) is aborting the rollout step: start no new generation."""
+    return r.abort_check()
+
+
 def prompt_over_budget(r: Rollout) -> bool:
     """The prompt alone is longer than the budget: nothing can be generated or trained."""
     return r.limit is not None and r.traj.prompt_length > r.limit
@@ -37,7 +63,7 @@ def no_new_tokens_asked(r: Rollout) -> bool:
 
 def room_left(r: Rollout) -> bool:
     """No budget is spent: another turn may be generated."""
-    return not (context_full(r) or max_turns_reached(r) or no_new_tokens_asked(r))
+    return not (abort_requested(r) or context_full(r) or max_turns_reached(r) or no_new_tokens_asked(r))
 
 
 # -- GENERATE: reading the reply ------------------------------------------------------

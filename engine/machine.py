@@ -29,7 +29,7 @@ from engine.trajectory import InvariantViolation
 
 logging.getLogger("transitions").setLevel(logging.WARNING)  # 4 log lines per edge otherwise
 
-RESET, BUDGET_CHECK, GENERATE, TOOL_CALL, TRIM = "RESET", "BUDGET_CHECK", "GENERATE", "TOOL_CALL", "TRIM"
+RESET, RESUME, BUDGET_CHECK, GENERATE, TOOL_CALL, TRIM = "RESET", "RESUME", "BUDGET_CHECK", "GENERATE", "TOOL_CALL", "TRIM"
 COMPLETED, TRUNCATED, ABORTED, FAILED = "COMPLETED", "TRUNCATED", "ABORTED", "FAILED"
 TERMINALS = frozenset({COMPLETED, TRUNCATED, ABORTED, FAILED})
 
@@ -73,6 +73,11 @@ def core_edges() -> list[Edge]:
     return [
         # source        trigger               dest          guard                        action
         E(RESET,        "start",              BUDGET_CHECK, None,                        a.reset_rollout),
+        E(RESET,        "resume",             RESUME,       g.checkpoint_valid,          a.restore_checkpoint),
+        E(RESET,        "resume",             BUDGET_CHECK, g.checkpoint_rejected,       a.reset_rollout),
+        E(RESUME,       "continue",           TOOL_CALL,    g.tools_pending,             a.plan_tool_calls),
+        E(RESUME,       "continue",           BUDGET_CHECK, g.generation_pending),
+        E(BUDGET_CHECK, "check",              ABORTED,      g.abort_requested),
         E(BUDGET_CHECK, "check",              TRUNCATED,    g.prompt_over_budget),
         E(BUDGET_CHECK, "check",              TRUNCATED,    g.context_full),
         E(BUDGET_CHECK, "check",              TRUNCATED,    g.no_new_tokens_asked),
@@ -136,7 +141,7 @@ class MachineSpec:
     def from_registry(cls, tool_names: tuple[str, ...] | None = None) -> MachineSpec:
         names = tools.names() if tool_names is None else tool_names
         tool_states = {tool_state(n): n for n in names}
-        states = [RESET, BUDGET_CHECK, GENERATE, TOOL_CALL, *tool_states, TRIM, COMPLETED, TRUNCATED, ABORTED, FAILED]
+        states = [RESET, RESUME, BUDGET_CHECK, GENERATE, TOOL_CALL, *tool_states, TRIM, COMPLETED, TRUNCATED, ABORTED, FAILED]
         edges = core_edges()
         for n in names:
             edges += tool_edges(n)
@@ -152,9 +157,15 @@ def _call(fn: Callable[[Rollout], object]) -> Callable[[EventData], object]:
     return lambda event: fn(event.model)
 
 
-def _after_edge(reason: str | None) -> Callable[[EventData], None]:
+def _after_edge(edge: Edge) -> Callable[[EventData], None]:
+    """Record the edge taken (with its guard) and, on an ending edge, why the sample ends."""
+    guard, reason = (edge.guard.__name__ if edge.guard else None), edge.reason
+    step = (edge.source, edge.trigger, edge.dest)
+
     def after(event: EventData) -> None:
         r: Rollout = event.model
+        r.trace.append(step)
+        r.guards.append(guard)
         if reason == "invariant_violated":
             r.reason = reason  # the one reason that replaces another: the data is not trusted
         elif reason is not None:
@@ -163,10 +174,9 @@ def _after_edge(reason: str | None) -> Callable[[EventData], None]:
     return after
 
 
-def _record_and_check(event: EventData) -> None:
-    """After every transition: append the edge to the trace, then check I1 (and I2 at the end)."""
+def _check_invariants(event: EventData) -> None:
+    """After every transition: I1 (cheap, lengths), and I2 once the sample has ended."""
     r: Rollout = event.model
-    r.trace.append((event.transition.source, event.event.name, event.transition.dest))
     try:
         r.traj.check(max_total_length=r.budget_at_end() if r.state in TERMINALS else None)
     except InvariantViolation as exc:
@@ -187,7 +197,7 @@ class RolloutMachine:
                     "dest": e.dest,
                     "conditions": [_call(e.guard)] if e.guard else [],
                     "before": [_call(fn) for fn in e.actions],
-                    "after": [_after_edge(e.reason)],
+                    "after": [_after_edge(e)],
                 }
             )
         self._machine = Machine(
@@ -197,7 +207,7 @@ class RolloutMachine:
             initial=RESET,
             auto_transitions=False,
             send_event=True,
-            after_state_change=_record_and_check,
+            after_state_change=_check_invariants,
         )
         self._events = self._machine.events
 

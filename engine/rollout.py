@@ -8,7 +8,8 @@ I/O; the driver fills its inputs between triggers.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -16,6 +17,13 @@ from engine.config import EngineConfig
 from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.trajectory import Trajectory
 from engine.wire import Failure, Reply
+
+if TYPE_CHECKING:
+    from engine.checkpoint import Restored
+
+
+def _never() -> bool:
+    return False
 
 
 @attrs.define(eq=False, slots=True)
@@ -36,6 +44,13 @@ class Rollout:
     max_new_tokens: int | None = None  # the clamped cap of the next request
     turns: int = 0
     tool_calls: int = 0
+    tool_calls_before_turn: int = 0  # so a resumed turn re-runs its calls within the same budget
+    # Partial rollout: what RESET found in the sample, and how far the last turn had got.
+    resume: Restored | None = None
+    resume_rejected: str | None = None
+    partial_turn_tokens: int = 0
+    attempt: int = 1
+    abort_check: Callable[[], bool] = _never  # cooperative abort (slime's or the engine's flag)
     # What the last I/O step produced; guards read these.
     reply: Reply | None = None
     failure: Failure | None = None
@@ -45,6 +60,7 @@ class Rollout:
     observation_ids: list[int] = attrs.field(factory=list)
     # Record of the run.
     trace: list[tuple[str, str, str]] = attrs.field(factory=list)
+    guards: list[str | None] = attrs.field(factory=list)  # the guard of each traced edge
     reason: str | None = None
     violation: str | None = None
     error: str | None = None

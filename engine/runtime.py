@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 import tools
+from engine.abort import AbortSignal, slime_aborting
 from engine.client import SGLangClient, make_http_client
 from engine.config import EngineConfig
 from engine.profiles import Profile, make_profile
@@ -24,6 +25,11 @@ class Runtime:
     profile: Profile
     client: SGLangClient
     tool_runner: ToolRunner
+    abort: AbortSignal = attrs.field(factory=AbortSignal)
+
+    def abort_requested(self) -> bool:
+        """Whether samples should stop before their next generation."""
+        return bool(self.abort) or slime_aborting()
 
     @classmethod
     def create(cls, cfg: EngineConfig, *, tokenizer: Any = None, http: Any = None) -> Runtime:

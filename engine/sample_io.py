@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine import checkpoint
 from engine.rollout import Rollout
 
 # Keys of sample.metadata this engine writes; RESET removes them all.
 ENGINE_KEYS = (
     "fsm_trace",
+    "fsm_guards",
     "termination_reason",
     "turns",
     "tool_stats",
@@ -22,6 +24,11 @@ ENGINE_KEYS = (
     "tool_time",
     "weight_versions",
     "profile",
+    "fsm_checkpoint",
+    "checkpoint_rejected",
+    "segments",
+    "policy_versions",
+    "attempt",
 )
 
 
@@ -94,6 +101,7 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
     """What the trace tools read back: the path, why it ended, per-turn and per-tool records."""
     meta: dict[str, Any] = {
         "fsm_trace": [list(edge) for edge in r.trace],
+        "fsm_guards": list(r.guards),
         "termination_reason": r.reason,
         "turns": list(r.turn_log),
         "tool_stats": dict(r.tool_stats),
@@ -101,6 +109,14 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
         "tool_time": round(r.tool_time, 6),
         "profile": r.cfg.profile,
     }
+    segments = r.traj.segments
+    meta["segments"] = [[s.kind, s.start, s.end, s.weight_version] for s in segments]
+    meta["policy_versions"] = len({s.weight_version for s in segments if s.kind == "model"})
+    meta["attempt"] = r.attempt
+    if r.resume_rejected:
+        meta["checkpoint_rejected"] = r.resume_rejected
+    if r.cfg.partial_rollout and r.state == "ABORTED" and r.reason != "invariant_violated":
+        meta[checkpoint.KEY] = checkpoint.make_checkpoint(r)
     if r.error:
         meta["engine_error"] = r.error
     if r.violation:

@@ -1,10 +1,9 @@
 """The paths recorded samples took through the machine: edges, counts, a timeline, a batch table.
 
-A trace step records (source, trigger, dest) but not the guard, and some triggers have
-several edges between the same two states (three `check` edges into TRUNCATED, two
-`reply` edges into TOOL_CALL). `resolve_path` names the edge from what the sample also
-recorded: the termination reason (it is the guard's name on an ending edge) and the
-turn's tool calls. A step it cannot pin down counts for every candidate, marked "?".
+Some triggers have several edges between the same two states (four `check` edges into
+TRUNCATED, two `reply` edges into TOOL_CALL); the guard each sample recorded beside its
+trace (`metadata["fsm_guards"]`) names the one taken. A step without a recorded guard
+counts for every candidate, marked "?".
 """
 
 from __future__ import annotations
@@ -56,55 +55,40 @@ class Overlay:
     title: str = ""
 
 
-def _narrow(cands: list[Edge], guard: str | None, reason: str | None, turn: dict[str, Any] | None, next_trigger: str | None) -> list[Edge]:
-    """Pick the edge among same-(source, trigger, dest) candidates from what the sample recorded."""
-    if len(cands) <= 1:
+def _narrow(cands: list[Edge], guard: str) -> list[Edge]:
+    """The edge among same-(source, trigger, dest) candidates whose guard the sample recorded."""
+    if len(cands) <= 1 or not guard:
         return cands
-
-    def named(name: str | None) -> list[Edge]:
-        return [e for e in cands if e.guard is not None and e.guard.__name__ == name]
-
-    if guard:  # a trace that records the guard needs no inference
-        return named(guard) or cands
-    if cands[0].dest in TERMINALS or cands[0].dest == TRIM:
-        picked = named(reason)  # the first ending/trimming edge's guard is the reason (I6)
-        if picked:
-            return picked
-    if {e.guard.__name__ for e in cands if e.guard} == {"calls_tool", "invalid_action"}:
-        # A tool turn answers (names) its calls and may dispatch; an invalid one has no calls.
-        tools_named = turn.get("tools") if turn else None
-        if tools_named or next_trigger == "dispatch":
-            return named("calls_tool")
-        if tools_named == []:
-            return named("invalid_action")
-    return cands
+    return [e for e in cands if e.guard is not None and e.guard.__name__ == guard] or cands
 
 
 def resolve_path(spec: MachineSpec, sample: dict[str, Any]) -> list[Step]:
     """The sample's trace as steps, each matched to the spec edge(s) it can be."""
     meta = metadata(sample)
-    reason = meta.get("termination_reason")
     turns = meta.get("turns") or []
     by_triple: dict[tuple[str, str, str], list[Edge]] = defaultdict(list)
     for e in spec.edges:
         by_triple[(e.source, e.trigger, e.dest)].append(e)
     trace = fsm_trace(sample)
+    # Every reply edge logs one turn, and a resumed sample's log starts with the turns its
+    # checkpoint restored: the trace's replies are the log's last entries.
+    current = len(turns) - sum(1 for item in trace if item[0] == GENERATE and item[1] == "reply") - 1
     steps: list[Step] = []
-    turn: dict[str, Any] | None = None
-    replies = 0
     for n, item in enumerate(trace, 1):
         source, trigger, dest = item[:3]
-        if source == GENERATE and trigger == "reply":  # every reply edge logs one turn
-            turn = turns[replies] if replies < len(turns) else None
-            replies += 1
-        next_trigger = trace[n][1] if n < len(trace) else None
-        cands = _narrow(by_triple.get((source, trigger, dest), []), item[3] if len(item) > 3 else None, reason, turn, next_trigger)
+        if source == GENERATE and trigger == "reply":
+            current += 1
+        turn = turns[current] if 0 <= current < len(turns) else None
+        cands = _narrow(by_triple.get((source, trigger, dest), []), item[3])
         steps.append(Step(n, source, trigger, dest, tuple(cands), turn))
     return steps
 
 
 def _note(certain: int, unsure: int) -> str:
-    return f"×{certain}" + (f"+{unsure}?" if unsure else "") if certain else f"×{unsure}?"
+    """An edge's note: "×3", or "×2+1?" when one more step may have been this edge or a sibling."""
+    if not certain:
+        return f"×{unsure}?"
+    return f"×{certain}+{unsure}?" if unsure else f"×{certain}"
 
 
 def trace_overlay(spec: MachineSpec, sample: dict[str, Any], title: str = "") -> Overlay:
@@ -122,16 +106,37 @@ def trace_overlay(spec: MachineSpec, sample: dict[str, Any], title: str = "") ->
     return Overlay({k: _note(sure[k], unsure[k]) for k in keys}, states, title)
 
 
-def edge_counts(samples: Iterable[dict[str, Any]], spec: MachineSpec | None = None) -> Counter[EdgeKey]:
-    """How many times each edge was taken over all samples (an unresolved step counts for each candidate)."""
+@attrs.frozen
+class Tally:
+    """A batch's edges: times taken, samples that took them, and those some step only may be."""
+
+    times: Counter[EdgeKey]
+    takers: Counter[EdgeKey]
+    unsure: frozenset[EdgeKey]
+
+
+def tally(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Tally:
+    """Count every edge over the samples (an unresolved step counts for each candidate)."""
     spec = spec or _default_spec(samples)
-    return Counter(key for s in samples for step in resolve_path(spec, s) for key in step.keys)
+    times: Counter[EdgeKey] = Counter()
+    takers: Counter[EdgeKey] = Counter()
+    unsure: set[EdgeKey] = set()
+    for sample in samples:
+        steps = resolve_path(spec, sample)
+        times.update(key for step in steps for key in step.keys)
+        takers.update({key for step in steps for key in step.keys})
+        unsure.update(key for step in steps if len(step.edges) > 1 for key in step.keys)
+    return Tally(times, takers, frozenset(unsure))
 
 
-def sample_counts(samples: Iterable[dict[str, Any]], spec: MachineSpec | None = None) -> Counter[EdgeKey]:
+def edge_counts(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Counter[EdgeKey]:
+    """How many times each edge was taken over all samples."""
+    return tally(samples, spec).times
+
+
+def sample_counts(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Counter[EdgeKey]:
     """How many samples took each edge at least once."""
-    spec = spec or _default_spec(samples)
-    return Counter(key for s in samples for key in {k for step in resolve_path(spec, s) for k in step.keys})
+    return tally(samples, spec).takers
 
 
 def terminal_counts(samples: Iterable[dict[str, Any]]) -> Counter[str]:
@@ -146,11 +151,10 @@ def reason_counts(samples: Iterable[dict[str, Any]]) -> Counter[tuple[str, str]]
 
 def flow_overlay(spec: MachineSpec, samples: Sequence[dict[str, Any]], title: str = "") -> Overlay:
     """A batch: each edge with "n samples, ×times", each terminal with how many ended there."""
-    times, takers = edge_counts(samples, spec), sample_counts(samples, spec)
-    unsure = {k for s in samples for step in resolve_path(spec, s) if len(step.edges) > 1 for k in step.keys}
+    t = tally(samples, spec)
     order = {edge_key(e): i for i, e in enumerate(spec.edges)}
-    keys = sorted(times, key=lambda k: (order.get(k, len(order)), k))
-    edges = {k: f"{_samples(takers[k])}, ×{times[k]}" + ("?" if k in unsure else "") for k in keys}
+    keys = sorted(t.times, key=lambda k: (order.get(k, len(order)), k))
+    edges = {k: f"{_samples(t.takers[k])}, ×{t.times[k]}" + ("?" if k in t.unsure else "") for k in keys}
     states = {state: "" for key in keys for state in (key[0], key[2])}
     for state, n in terminal_counts(samples).items():
         states[state] = f"{_samples(n)} ended here"
@@ -161,10 +165,10 @@ def _samples(n: int) -> str:
     return f"{n} sample" + ("" if n == 1 else "s")
 
 
-def _default_spec(samples: Iterable[dict[str, Any]]) -> MachineSpec:
+def _default_spec(samples: Sequence[dict[str, Any]]) -> MachineSpec:
     from engine.diagrams import spec_for_samples  # diagrams imports this module
 
-    return spec_for_samples(list(samples))
+    return spec_for_samples(samples)
 
 
 def _step_details(step: Step, sample: dict[str, Any], last: bool) -> str:
@@ -176,6 +180,10 @@ def _step_details(step: Step, sample: dict[str, Any], last: bool) -> str:
             parts.append(f"problem {turn['problem']}")
         if turn.get("weight_version") not in (None, "default"):
             parts.append(f"weights {turn['weight_version']}")
+    elif step.trigger == "resume":
+        replies = sum(1 for item in fsm_trace(sample) if item[0] == GENERATE and item[1] == "reply")
+        restored = len(meta.get("turns") or []) - replies
+        parts.append(f"{restored} turns restored from the checkpoint" if step.dest == "RESUME" else "checkpoint rejected: restart from the prompt")
     elif step.trigger == "dispatch":
         parts.append(f"calls to {step.dest.removeprefix('TOOL_').lower()}")
     elif step.trigger == "observe" and turn:
@@ -234,15 +242,18 @@ def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: 
 def flow_table(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> str:
     """A batch in text: per edge samples and times (machine order), per terminal and per reason."""
     spec = spec or _default_spec(samples)
-    times, takers = edge_counts(samples, spec), sample_counts(samples, spec)
+    t = tally(samples, spec)
+    times, takers = t.times, t.takers
     order = [edge_key(e) for e in spec.edges]
     keys = [k for k in order if k in times] + sorted(k for k in times if k not in order)
     rows = [("edge", "trigger [guard]", "samples", "times")]
-    rows += [(f"{s} -> {d}", label, str(takers[(s, label, d)]), str(times[(s, label, d)])) for s, label, d in keys]
+    rows += [(f"{k[0]} -> {k[2]}", k[1], str(takers[k]), f"{times[k]}?" if k in t.unsure else str(times[k])) for k in keys]
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [f"{len(samples)} samples", ""]
     lines += [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}" for r in rows]
     lines.append(f"({sum(1 for k in order if k not in times)} of {len(order)} edges of the machine not taken)")
+    if t.unsure:
+        lines.append("(?: some steps could be this edge or another of the same trigger; counted for each)")
     ends = terminal_counts(samples)
     reasons = reason_counts(samples)
     w0 = max([len("terminal"), *(len(s) for s in ends)])

@@ -105,8 +105,12 @@ def metadata(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 def fsm_trace(sample: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The recorded path: one (source, trigger, dest) per edge taken."""
-    return [tuple(str(x) for x in step) for step in metadata(sample).get("fsm_trace") or []]
+    """The recorded path: (source, trigger, dest, guard) per edge taken ("" for no guard)."""
+    meta = metadata(sample)
+    steps = meta.get("fsm_trace") or []
+    guards = list(meta.get("fsm_guards") or [])
+    guards += [""] * (len(steps) - len(guards))
+    return [(*(str(x) for x in step[:3]), str(guard or "")) for step, guard in zip(steps, guards)]
 
 
 def status_name(sample: dict[str, Any]) -> str:

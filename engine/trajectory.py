@@ -45,6 +45,7 @@ class Segment:
     start: int
     end: int
     digest: int = 0  # of ids+logprobs, model segments only
+    weight_version: str | None = None  # of the policy that generated a model segment
 
 
 @attrs.define(eq=False, slots=True)
@@ -79,6 +80,22 @@ class Trajectory:
         return self.prompt_ids.tolist() + self.response_ids.tolist()
 
     # -- changing ----------------------------------------------------------------
+    @classmethod
+    def restore(
+        cls, prompt_ids: Sequence[int], ids: array, logprobs: array, loss_mask: array, segments: list[Segment]
+    ) -> Trajectory:
+        """Rebuild a trajectory from a validated checkpoint (partial rollout).
+
+        Model segments get their fingerprints from the given ids and logprobs: the caller
+        has already proved those are the ones the checkpoint was written for.
+        """
+        t = cls(array("i", prompt_ids), ids, logprobs, loss_mask)
+        t.segments = [
+            attrs.evolve(s, digest=_digest(ids[s.start : s.end], logprobs[s.start : s.end]) if s.kind == "model" else 0)
+            for s in segments
+        ]
+        return t
+
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start over from a prompt: every per-token array is emptied together."""
         self.prompt_ids = array("i", prompt_ids)
@@ -94,6 +111,7 @@ class Trajectory:
         ids: Sequence[int],
         logprobs: Sequence[float],
         top_p: tuple[Sequence[int], Sequence[int]] | None = None,
+        weight_version: str | None = None,
     ) -> None:
         """Append tokens the server generated, with their logprobs (mask 1).
 
@@ -114,7 +132,8 @@ class Trajectory:
         if top_p is not None:
             self._extend_top_p(top_p[0], top_p[1])
         if new_ids:
-            self.segments.append(Segment("model", start, start + len(new_ids), _digest(new_ids, new_logprobs)))
+            digest = _digest(new_ids, new_logprobs)
+            self.segments.append(Segment("model", start, start + len(new_ids), digest, weight_version))
 
     def append_observation(self, ids: Sequence[int]) -> None:
         """Append environment tokens (tool output, template glue): mask 0, logprob 0.0."""
@@ -145,7 +164,7 @@ class Trajectory:
                 break
             if seg.end > keep:
                 digest = _digest(self.response_ids[seg.start : keep], self.logprobs[seg.start : keep])
-                seg = Segment(seg.kind, seg.start, keep, digest if seg.kind == "model" else 0)
+                seg = attrs.evolve(seg, end=keep, digest=digest if seg.kind == "model" else 0)
             kept.append(seg)
         self.segments = kept
         return cut

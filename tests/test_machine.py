@@ -19,6 +19,7 @@ from engine.machine import TERMINALS, Edge, MachineSpec, RolloutMachine, get_mac
 from engine.profiles.retool import INVALID_ACTION, render_retool_prompt
 from engine.rollout import Rollout
 from engine.runtime import Runtime
+from engine.sample_io import write_sample
 from tests.conftest import run
 from tests.helpers import IM_END, SAMPLING, URL, ScriptedServer, encode, reply_body, tok, turn
 
@@ -37,11 +38,12 @@ def cfg(**kw: Any) -> EngineConfig:
     return EngineConfig(**base)
 
 
-async def _drive(script: list, c: EngineConfig, params: dict, machine: RolloutMachine | None, server: ScriptedServer) -> Rollout:
+async def _drive(script: list, c: EngineConfig, params: dict, machine: RolloutMachine | None, server: ScriptedServer,
+                 sample: Any = None) -> Rollout:
     with respx.mock(assert_all_called=False) as mock:
         mock.post(URL + "/generate").mock(side_effect=server)
         rt = Runtime.create(c, tokenizer=tok())
-        r = new_rollout(rt, PROMPT, params)
+        r = new_rollout(rt, PROMPT, params, sample=sample)
         try:
             await drive(rt, r, machine)
         finally:
@@ -49,9 +51,10 @@ async def _drive(script: list, c: EngineConfig, params: dict, machine: RolloutMa
     return r
 
 
-def walk(script: list, *, params: dict | None = None, machine: RolloutMachine | None = None, **kw: Any) -> tuple[Rollout, ScriptedServer]:
+def walk(script: list, *, params: dict | None = None, machine: RolloutMachine | None = None, sample: Any = None,
+         **kw: Any) -> tuple[Rollout, ScriptedServer]:
     server = ScriptedServer(script)
-    r = run(_drive(script, cfg(**kw), dict(params or SAMPLING), machine, server))
+    r = run(_drive(script, cfg(**kw), dict(params or SAMPLING), machine, server, sample))
     r.traj.check(full=True, max_total_length=r.limit)
     return r, server
 
@@ -149,9 +152,22 @@ def tool_call_turn(name: str) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
 
 
+def resumable_sample() -> Any:
+    """A sample a first attempt left ABORTED with a checkpoint (partial rollout)."""
+    from tests.slime_standin import Sample
+
+    sample = Sample(prompt=PROMPT)
+    aborted = httpx.Response(200, json=reply_body(encode("So"), finish="abort"))
+    r, _ = walk([turn(CODE), aborted], sample=sample, partial_rollout=True)
+    write_sample(sample, r)  # as engine.slime.run_sample does
+    return sample
+
+
 def script_through(state: str) -> tuple[list, dict[str, Any]]:
     """A script whose rollout visits `state`, and the settings it needs."""
     spec = get_machine().spec
+    if state == "RESUME":
+        return [turn(ANSWER)], {"partial_rollout": True, "sample": resumable_sample()}
     if state in spec.tool_states:
         return [turn(tool_call_turn(spec.tool_states[state])), turn(ANSWER)], {}
     if state == "TRIM":

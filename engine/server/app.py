@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 from aiohttp import web
 
+from engine.server.faults import FAULTS, FaultInjector, FaultSpec, fault_middleware
 from engine.server.model import LMBackend
 from engine.server.protocol import RequestError, build_response, parse_generate
 from engine.server.replay import ReplayScript, load_replay
@@ -143,6 +144,7 @@ async def server_info(request: web.Request) -> web.Response:
     """GET /server_info and /get_server_info: flattened server args plus counters."""
     state = request.app[STATE]
     s, b, stats = state.settings, state.backend, state.scheduler.stats
+    faults = request.app.get(FAULTS)
     running, waiting = state.scheduler.loads()
     return _json({
         "model_path": b.model_path, "tokenizer_path": b.tokenizer_path, "served_model_name": b.served_model_name,
@@ -152,6 +154,7 @@ async def server_info(request: web.Request) -> web.Response:
         "weight_version": state.weight_version,
         "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting}],
         "version": SGLANG_VERSION, "startup_time": state.started_at, "frontend": "embedded",
+        "faults": s.faults, "faults_injected": dict(faults.counts) if faults is not None else {},
         # Not SGLang: counters for tests and latency measurements.
         "embedded_stats": {
             "generate_requests": state.generate_requests, "routing_keys": dict(state.routing_keys),
@@ -239,9 +242,15 @@ def build_app(settings: ServerSettings) -> web.Application:
     replay: ReplayScript | None = load_replay(settings.replay_path) if settings.replay_path else None
     scheduler = Scheduler(backend, replay=replay, seed=settings.seed, max_running=settings.max_running_requests,
                           torch_threads=settings.torch_threads)
-    app = web.Application(client_max_size=512 * 1024 * 1024)
+    injector = None
+    if settings.faults is not None:
+        injector = FaultInjector(FaultSpec.parse(settings.faults), decode=backend.decode)
+    middlewares = [fault_middleware(injector)] if injector is not None else []
+    app = web.Application(client_max_size=512 * 1024 * 1024, middlewares=middlewares)
     app[STATE] = ServerState(settings=settings, backend=backend, scheduler=scheduler,
                              weight_version=settings.weight_version)
+    if injector is not None:
+        app[FAULTS] = injector
 
     async def on_startup(app: web.Application) -> None:
         app[STATE].unpaused = asyncio.Event()

@@ -139,17 +139,26 @@ def _sampler(params: dict[str, Any]) -> SamplerParams:
     return SamplerParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k)
 
 
+def input_too_long_message(n_input: int, context_length: int) -> str:
+    """SGLang's 400 message for an input that alone fills the context (TokenizerManager)."""
+    return f"The input ({n_input} tokens) is longer than the model's context length ({context_length} tokens)."
+
+
+def request_too_long_message(n_input: int, requested: int, context_length: int) -> str:
+    """SGLang's 400 message for input + max_new_tokens over the context (TokenizerManager)."""
+    return (
+        f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+        f"You requested a total of {n_input + requested} tokens: {n_input} tokens from the input messages "
+        f"and {requested} tokens for the completion. Please reduce the number of tokens in the input "
+        "messages or the completion to fit within the limit.")
+
+
 def _check_context(n_input: int, requested: int | None, context_length: int) -> int:
     """SGLang's two-stage context check; returns the effective (clamped) max_new_tokens."""
     if n_input >= context_length:
-        raise RequestError.message(
-            f"The input ({n_input} tokens) is longer than the model's context length ({context_length} tokens).")
+        raise RequestError.message(input_too_long_message(n_input, context_length))
     if requested is not None and n_input + requested > context_length:
-        raise RequestError.message(
-            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
-            f"You requested a total of {n_input + requested} tokens: {n_input} tokens from the input messages "
-            f"and {requested} tokens for the completion. Please reduce the number of tokens in the input "
-            "messages or the completion to fit within the limit.")
+        raise RequestError.message(request_too_long_message(n_input, requested, context_length))
     # The scheduler's own limits: max_req_len = context - 1, max_req_input_len = max_req_len - 5.
     max_req_len = context_length - 1
     if n_input >= max_req_len - 5:

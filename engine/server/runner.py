@@ -17,6 +17,7 @@ import attrs
 from aiohttp import web
 
 from engine.server.app import STATE, build_app
+from engine.server.faults import FaultSpec
 from engine.server.settings import ServerSettings
 
 log = logging.getLogger("engine.server")
@@ -63,6 +64,15 @@ async def serve(settings: ServerSettings) -> None:
         await runner.cleanup()
 
 
+def fault_spec_argument(text: str) -> str:
+    """argparse `type` of `--faults`: the SPEC unchanged if it parses, else a usage error."""
+    try:
+        FaultSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` options (one per ServerSettings field) to an argparse parser."""
     defaults = ServerSettings()
@@ -76,6 +86,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    parser.add_argument(
+        "--faults", default=None, metavar="SPEC", type=fault_spec_argument,
+        help="inject faults into /generate: a preset (default, none) and/or kind=rate pairs, e.g. "
+             "'http500=0.05,reset=0.02,stall=0.01,malformed=0.02,no_meta=0.01,abort=0.03,context400=0.01,"
+             "mismatch=0.02,seed=7' (also stall_seconds=S); counts in /server_info faults_injected")
 
 
 def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:

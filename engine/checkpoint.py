@@ -1,0 +1,115 @@
+"""Partial rollout: the checkpoint an ABORTED sample carries, and its validation on resume.
+
+With slime's `--partial-rollout`, an aborted sample comes back later with the tokens it
+had. The checkpoint (`sample.metadata["fsm_checkpoint"]`) says what those tokens are:
+prompt and response lengths, fingerprints of the prompt ids and of the response ids and
+logprobs, the segments (model turn / observation) with the weight version of each model
+turn, and where to continue (generate, or re-run the tool calls a turn asked for). A
+checkpoint that does not match the sample's fields in every respect is not trusted: the
+sample restarts from RESET, so tokens that do not belong together are never stitched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any, Literal
+
+import attrs
+
+from engine.rollout import Rollout
+from engine.trajectory import Segment, Trajectory
+
+VERSION = 1
+KEY = "fsm_checkpoint"
+ResumeAt = Literal["generate", "tools"]
+
+
+def _sha(*parts: array) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.tobytes())
+    return h.hexdigest()[:32]
+
+
+def resume_point(r: Rollout) -> ResumeAt:
+    """Where an aborted rollout continues: its tools if it stopped while running them."""
+    source = r.trace[-1][0] if r.trace else "GENERATE"
+    in_tools = source == "TOOL_CALL" or source.startswith("TOOL_") or source == "RESUME" and bool(r.calls)
+    return "tools" if in_tools and r.traj.segments and r.traj.segments[-1].kind == "model" else "generate"
+
+
+def make_checkpoint(r: Rollout) -> dict[str, Any]:
+    """What a later call needs to continue `r` and to prove the sample was not changed since."""
+    t = r.traj
+    at = resume_point(r)
+    last = t.segments[-1] if t.segments else None
+    partial = last.end - last.start if at == "generate" and last is not None and last.kind == "model" else 0
+    return {
+        "version": VERSION,
+        "prompt_length": t.prompt_length,
+        "prompt_sha": _sha(t.prompt_ids),
+        "response_length": t.response_length,
+        "response_sha": _sha(t.response_ids, t.logprobs),
+        "segments": [[s.kind, s.start, s.end, s.weight_version] for s in t.segments],
+        "resume_at": at,
+        "partial_turn_tokens": partial,
+        # A turn the abort cut short is not counted: the resumed one takes its place.
+        "turns": r.turns - (1 if r.trace and r.trace[-1][0] == "GENERATE" and r.reply is not None else 0),
+        "tool_calls": r.tool_calls_before_turn if at == "tools" else r.tool_calls,
+        "turn_log": list(r.turn_log),
+        "attempt": r.attempt,
+    }
+
+
+@attrs.frozen
+class Restored:
+    """A validated checkpoint, ready to put back into a rollout."""
+
+    traj: Trajectory
+    resume_at: ResumeAt
+    partial_turn_tokens: int
+    turns: int
+    tool_calls: int
+    turn_log: list[dict[str, Any]]
+    attempt: int
+
+
+def validate(sample: Any, prompt_ids: list[int], mask_offpolicy: bool) -> Restored | str:
+    """The restored trajectory, or the reason the checkpoint is not trusted."""
+    metadata = getattr(sample, "metadata", None)
+    cp = metadata.get(KEY) if isinstance(metadata, dict) else None
+    if not isinstance(cp, dict) or cp.get("version") != VERSION:
+        return "no usable checkpoint"
+    try:
+        n_prompt, n_resp = int(cp["prompt_length"]), int(cp["response_length"])
+        tokens = list(sample.tokens or [])
+        mask = list(sample.loss_mask or [])
+        logprobs = list(sample.rollout_log_probs or [])
+        if n_prompt != len(prompt_ids) or tokens[:n_prompt] != list(prompt_ids):
+            return "the prompt differs from the checkpoint's"
+        if _sha(array("i", prompt_ids)) != cp["prompt_sha"]:
+            return "the prompt fingerprint differs"
+        if not (len(tokens) == n_prompt + n_resp == n_prompt + int(sample.response_length)):
+            return "token counts disagree with the checkpoint"
+        if not (len(mask) == len(logprobs) == n_resp):
+            return "loss mask or logprobs length disagrees with the checkpoint"
+        ids, lps = array("i", tokens[n_prompt:]), array("d", logprobs)
+        if _sha(ids, lps) != cp["response_sha"]:
+            return "response ids or logprobs were changed"
+        if any(m not in (0, 1) for m in mask):
+            return "loss mask holds values other than 0 and 1"
+        segments = [Segment(k, int(a), int(b), weight_version=v) for k, a, b, v in cp["segments"]]
+        starts = [0, *(s.end for s in segments)]
+        if [s.start for s in segments] != starts[:-1] or starts[-1] != n_resp:
+            return "segments do not tile the response"
+        at = cp["resume_at"]
+        if at not in ("generate", "tools") or (at == "tools" and (not segments or segments[-1].kind != "model")):
+            return "unknown resume point"
+        traj = Trajectory.restore(prompt_ids, ids, lps, array("b", mask), segments)
+        if mask_offpolicy:
+            traj.mask_tokens_before(n_resp)  # slime may have done it already; doing it twice is harmless
+        return Restored(traj, at, int(cp["partial_turn_tokens"]), int(cp["turns"]), int(cp["tool_calls"]),
+                        list(cp["turn_log"]), int(cp.get("attempt", 1)))
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"malformed checkpoint: {exc}"
