@@ -146,14 +146,42 @@ def render_diagrams(spec: MachineSpec | None = None) -> dict[str, bytes]:
     }
 
 
+README_START = "<!-- machine diagram: written by `python -m engine diagram`, do not edit -->"
+README_END = "<!-- end of machine diagram -->"
+
+
+def _project_readme(out_dir: Path, spec: MachineSpec) -> tuple[Path, str, str] | None:
+    """The project README beside `out_dir` with its embedded diagram: (path, current, fresh).
+
+    None when there is no README there or it has no diagram markers.
+    """
+    path = out_dir.resolve().parent / "README.md"
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if README_START not in text or README_END not in text:
+        return None
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    block = f"{README_START}\n```mermaid\n{machine_mermaid(spec, compact=True)}```\n{README_END}"
+    return path, text, head + block + tail
+
+
 def write_diagrams(out_dir: str | Path, spec: MachineSpec | None = None) -> list[Path]:
-    """Write machine.mmd, machine.svg and README.md into `out_dir`; return their paths."""
+    """Write machine.mmd, machine.svg and README.md into `out_dir`; return their paths.
+
+    The compact drawing embedded in the project's README (between its markers) is
+    rewritten too, so the README never shows an old machine.
+    """
+    spec = spec or builtin_spec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, data in render_diagrams(spec).items():
         (out / name).write_bytes(data)
         written.append(out / name)
+    readme = _project_readme(out, spec)
+    if readme is not None and readme[1] != readme[2]:
+        readme[0].write_text(readme[2], encoding="utf-8")
+        written.append(readme[0])
     return written
 
 
@@ -162,8 +190,12 @@ def stale_diagrams(out_dir: str | Path, spec: MachineSpec | None = None) -> list
 
     The SVG is compared by the digest of the graph it draws (see `machine_svg`).
     """
+    spec = spec or builtin_spec()
     out = Path(out_dir)
     stale = []
+    readme = _project_readme(out, spec)
+    if readme is not None and readme[1] != readme[2]:
+        stale.append(str(readme[0]))
     for name, fresh in render_diagrams(spec).items():
         path = out / name
         old = path.read_bytes() if path.is_file() else None

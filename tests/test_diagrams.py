@@ -362,3 +362,17 @@ def test_a_resumed_sample_lines_up_with_its_restored_turns(fake_interpreter: Fak
     last = row["metadata"]["turns"][-1]
     reply_row = next(line for line in timeline(row, spec).splitlines() if "reply [answered]" in line)
     assert f"turn {last['turn']}: {last['tokens']} tokens (max {last['max_new_tokens']})" in reply_row
+
+
+def test_the_project_readme_embeds_the_current_machine(tmp_path: Path) -> None:
+    from engine.diagrams import README_END, README_START
+
+    (tmp_path / "README.md").write_text(f"intro\n{README_START}\nold drawing\n{README_END}\noutro\n")
+    out = tmp_path / "diagrams"
+    write_diagrams(out)
+    text = (tmp_path / "README.md").read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old drawing" not in text
+    assert "RESET --> BUDGET_CHECK : start" in text
+    assert stale_diagrams(out) == []
+    (tmp_path / "README.md").write_text(text.replace("RESET --> BUDGET_CHECK : start", "RESET --> X"))
+    assert stale_diagrams(out) == [str((tmp_path / "README.md").resolve())]
