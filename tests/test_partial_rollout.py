@@ -27,7 +27,7 @@ def attempt(sample: Sample, script: list, **args_kw: Any) -> ScriptedServer:
         mock.post(URL + "/generate").mock(side_effect=server)
         run(slime.generate(make_args(**kw), sample, dict(SAMPLING)))
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
-    assert sample.response == tok().decode(sample.tokens[len(sample.tokens) - sample.response_length :]) if sample.response_length else True
+    assert sample.response == tok().decode(sample.tokens[len(sample.tokens) - sample.response_length :])
     return server
 
 

@@ -24,9 +24,11 @@ def rollout(script: list, sample: Sample | None = None, **args_kw) -> tuple[Samp
 
 
 def assert_aligned(s: Sample) -> None:
-    assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
-    assert s.tokens[len(s.tokens) - s.response_length :] == s.tokens[-s.response_length :] if s.response_length else True
-    assert s.response == tok().decode(s.tokens[len(s.tokens) - s.response_length :]) if s.response_length else s.response == ""
+    """I1 and I3: arrays agree in length, tokens = prompt ids + response ids, text = decode(ids)."""
+    n = s.response_length
+    assert len(s.loss_mask) == len(s.rollout_log_probs) == n
+    assert s.tokens[: len(s.tokens) - n] == slime_prompt_ids()
+    assert s.response == tok().decode(s.tokens[len(s.tokens) - n :])
 
 
 def test_fresh_two_turn_rollout_completes(fake_interpreter):

@@ -23,7 +23,7 @@ def generate(script: list, *, repeat_last: bool = False, **args_kw) -> tuple[Sam
         mock.post(URL + "/generate").mock(side_effect=server)
         run(slime.generate(make_args(**args_kw), sample, dict(SAMPLING)))
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
-    assert sample.response == tok().decode(sample.tokens[len(sample.tokens) - sample.response_length :]) if sample.response_length else True
+    assert sample.response == tok().decode(sample.tokens[len(sample.tokens) - sample.response_length :])
     return sample, server
 
 
