@@ -50,12 +50,16 @@ from typing import Any, NamedTuple
 import attrs
 from attrs import validators as v
 
+from tools._sandbox_launcher import SETUP_FAILED  # its exit code when it could not build the sandbox
+
 UID_BASE = 60000  # below systemd's DynamicUser range (61184..), inside a 16-bit userns map
 UID_COUNT = 1024
 LOCK_DIR = "/run/engine-sandbox-uids"
 HIDDEN_PATHS = ("/root", "/home", "/run", "/var/tmp", "/dev/shm")
+# The engine's own checkout (source, data, checkpoints beside it) is hidden too, unless it
+# is installed inside the interpreter's prefix (then it is a library like any other).
+PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 SANDBOX_DIR = "/tmp/sandbox"  # the child's cwd when the mount namespace is available
-SETUP_FAILED = 125  # launcher exit code when it could not build the sandbox (_sandbox_launcher.py too)
 _GIB, _MIB = 1 << 30, 1 << 20
 
 
@@ -135,7 +139,7 @@ def _probe() -> _Capabilities:
     uids = tuple(u for u in range(UID_BASE, UID_BASE + UID_COUNT) if not _taken(u))
     if not uids:
         raise SandboxError(f"every uid in {UID_BASE}..{UID_BASE + UID_COUNT - 1} belongs to a user or group")
-    hide = tuple(dict.fromkeys(os.path.realpath(p) for p in HIDDEN_PATHS if os.path.isdir(p)))
+    hide = tuple(dict.fromkeys(os.path.realpath(p) for p in (*HIDDEN_PATHS, PROJECT_ROOT) if os.path.isdir(p)))
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
     prefixes.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
     hide = tuple(h for h in hide if not any(_under(h, p) for p in prefixes))
