@@ -38,12 +38,26 @@ def make_http_client(cfg: EngineConfig) -> httpx.AsyncClient:
 class SGLangClient:
     """Posts token-in/token-out `/generate` requests to an SGLang server or router."""
 
-    def __init__(self, base_url: str, http: httpx.AsyncClient, retry: RetryPolicy, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        http: httpx.AsyncClient,
+        retry: RetryPolicy,
+        *,
+        rng: random.Random | None = None,
+        max_in_flight: int | None = None,
+    ) -> None:
         self.url = base_url.rstrip("/") + "/generate"
         self.http = http
         self.retry = retry
         self._rng = rng or random.Random()
         self.retries_spent = 0  # over the client's life, for soak reports
+        # Requests beyond the pool's size wait here rather than in httpcore's pool: httpcore
+        # rescans every queued request against every connection whenever a request starts or
+        # ends (O(queued x connections) each time), which with thousands of samples in flight
+        # costs milliseconds per request and stalls the event loop for seconds. An asyncio
+        # semaphore as wide as the pool wakes one waiter per release. None: no gate.
+        self._in_flight = asyncio.Semaphore(max_in_flight) if max_in_flight else None
 
     async def generate(
         self,
@@ -76,7 +90,11 @@ class SGLangClient:
     async def _post_once(self, payload: dict[str, Any], headers: dict[str, str] | None) -> Reply | Failure | str:
         """One POST. Returns a final outcome, or a string describing a transient failure."""
         try:
-            response = await self.http.post(self.url, json=payload, headers=headers)
+            if self._in_flight is None:
+                response = await self.http.post(self.url, json=payload, headers=headers)
+            else:
+                async with self._in_flight:  # post() returns with the body read: the connection is free
+                    response = await self.http.post(self.url, json=payload, headers=headers)
         except httpx.TransportError as exc:  # connect, read, write, pool, protocol, timeouts
             return f"{type(exc).__name__}: {exc}"
         status = response.status_code

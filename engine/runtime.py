@@ -38,7 +38,8 @@ class Runtime:
             importlib.import_module(module)
         configure_builtin_tools(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
-        client = SGLangClient(cfg.server_url, http if http is not None else make_http_client(cfg), cfg.retry)
+        http = http if http is not None else make_http_client(cfg)
+        client = SGLangClient(cfg.server_url, http, cfg.retry, max_in_flight=cfg.max_connections)
         return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg))
 
     def tool_schemas(self, allowed: frozenset[str]) -> list[dict[str, Any]]:
