@@ -303,8 +303,32 @@ def _kill_cmd(uid: int) -> list[str]:
     return _launcher_cmd({"kill": uid})
 
 
+def _uid_has_processes(uid: int) -> bool:
+    """Whether any process runs as `uid` (read from /proc/*/status, which the process cannot hide)."""
+    wanted = str(uid)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        if wanted in line.decode().split()[1:]:
+                            return True
+                        break
+        except OSError:
+            continue  # it exited while we looked
+    return False
+
+
 async def _kill_uid(uid: int) -> bool:
-    """SIGKILL every process of `uid`, daemons that left our process group included."""
+    """SIGKILL every process of `uid`, daemons that left our process group included.
+
+    When /proc shows none, the helper (an interpreter start, ~30 ms) is skipped: only root
+    can start a process as that uid, so none can appear once the last one is gone.
+    """
+    if not await asyncio.to_thread(_uid_has_processes, uid):
+        return False
     helper = await asyncio.create_subprocess_exec(
         *_kill_cmd(uid), env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
