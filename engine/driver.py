@@ -32,7 +32,7 @@ class NoEdge(RuntimeError):
 
 
 async def step_reset(rt: Runtime, r: Rollout) -> str:
-    r.prompt_ids = rt.profile.render_prompt(r.prompt, rt.tool_schemas(r.allowed_tools))
+    r.prompt_ids = await rt.prompt_ids(r.prompt, r.allowed_tools)
     metadata = getattr(r.sample, "metadata", None)
     if not (r.cfg.partial_rollout and isinstance(metadata, dict) and checkpoint.KEY in metadata):
         return "start"

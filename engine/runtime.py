@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import json
+from collections import OrderedDict
 from typing import Any
 
 import attrs
@@ -16,6 +19,10 @@ from engine.tokenizer import load_tokenizer
 from engine.toolrun import ToolRunner
 
 
+START_GATE = 32  # prompts rendered per event-loop turn when many samples start at once
+PROMPT_CACHE = 4096
+
+
 @attrs.define(eq=False)
 class Runtime:
     """Built once per (settings, event loop); cheap to look up per sample."""
@@ -26,6 +33,26 @@ class Runtime:
     client: SGLangClient
     tool_runner: ToolRunner
     abort: AbortSignal = attrs.field(factory=AbortSignal)
+    # Samples starting in one burst take turns rendering their prompts, so the event loop
+    # gets a say between every few dozen of them instead of after thousands.
+    start_gate: asyncio.Semaphore = attrs.field(factory=lambda: asyncio.Semaphore(START_GATE))
+    _prompts: OrderedDict[tuple[str, frozenset[str], int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
+
+    async def prompt_ids(self, prompt: Any, allowed: frozenset[str]) -> list[int]:
+        """The rendered prompt's ids. Cached: the samples of a GRPO group share one prompt."""
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+        key = (text, allowed, tools.registry.version())  # a re-registered tool may change its schema
+        ids = self._prompts.get(key)
+        if ids is None:
+            async with self.start_gate:
+                await asyncio.sleep(0)
+                ids = tuple(self.profile.render_prompt(prompt, self.tool_schemas(allowed)))
+            self._prompts[key] = ids
+            if len(self._prompts) > PROMPT_CACHE:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return list(ids)
 
     def abort_requested(self) -> bool:
         """Whether samples should stop before their next generation."""
