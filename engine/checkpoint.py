@@ -32,6 +32,13 @@ def _sha(*parts: array) -> str:
     return h.hexdigest()[:32]
 
 
+def _top_p_arrays(kept: Any, offsets: Any) -> tuple[array, ...]:
+    """Top-p replay as int32 arrays for fingerprinting, () when the sample carries none."""
+    if kept is None or offsets is None:
+        return ()
+    return array("i", list(kept)), array("i", list(offsets))
+
+
 def resume_point(r: Rollout) -> ResumeAt:
     """Where an aborted rollout continues: its tools if it stopped while running them."""
     source = r.trace[-1][0] if r.trace else "GENERATE"
@@ -50,7 +57,7 @@ def make_checkpoint(r: Rollout) -> dict[str, Any]:
         "prompt_length": t.prompt_length,
         "prompt_sha": _sha(t.prompt_ids),
         "response_length": t.response_length,
-        "response_sha": _sha(t.response_ids, t.logprobs),
+        "response_sha": _sha(t.response_ids, t.logprobs, *_top_p_arrays(t.top_p_ids, t.top_p_offsets)),
         "segments": [[s.kind, s.start, s.end, s.weight_version] for s in t.segments],
         "resume_at": at,
         "partial_turn_tokens": partial,
@@ -95,8 +102,9 @@ def validate(sample: Any, prompt_ids: list[int], mask_offpolicy: bool) -> Restor
         if not (len(mask) == len(logprobs) == n_resp):
             return "loss mask or logprobs length disagrees with the checkpoint"
         ids, lps = array("i", tokens[n_prompt:]), array("d", logprobs)
-        if _sha(ids, lps) != cp["response_sha"]:
-            return "response ids or logprobs were changed"
+        top_p = _top_p_arrays(getattr(sample, "rollout_top_p_token_ids", None), getattr(sample, "rollout_top_p_token_offsets", None))
+        if _sha(ids, lps, *top_p) != cp["response_sha"]:
+            return "response ids, logprobs or top-p replay were changed"
         if any(m not in (0, 1) for m in mask):
             return "loss mask holds values other than 0 and 1"
         segments = [Segment(k, int(a), int(b), weight_version=v) for k, a, b, v in cp["segments"]]
@@ -106,7 +114,9 @@ def validate(sample: Any, prompt_ids: list[int], mask_offpolicy: bool) -> Restor
         at = cp["resume_at"]
         if at not in ("generate", "tools") or (at == "tools" and (not segments or segments[-1].kind != "model")):
             return "unknown resume point"
-        traj = Trajectory.restore(prompt_ids, ids, lps, array("b", mask), segments)
+        if top_p and len(top_p[1]) != n_resp + 1:
+            return "top-p replay does not span the response"
+        traj = Trajectory.restore(prompt_ids, ids, lps, array("b", mask), segments, top_p or None)
         if mask_offpolicy:
             traj.mask_tokens_before(n_resp)  # slime may have done it already; doing it twice is harmless
         return Restored(traj, at, int(cp["partial_turn_tokens"]), int(cp["turns"]), int(cp["tool_calls"]),

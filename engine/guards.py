@@ -86,13 +86,18 @@ def logprobs_mismatch(r: Rollout) -> bool:
     return _problem(r) == LOGPROBS_MISMATCH
 
 
+def top_p_replay_dropped(r: Rollout) -> bool:
+    """Earlier turns carry top-p replay but this one has none (a mixed or restarted server)."""
+    return r.reply is not None and bool(r.reply.ids) and r.reply.top_p is None and r.traj.top_p_offsets is not None
+
+
 def server_aborted(r: Rollout) -> bool:
     """The server aborted the request (weight update, `/abort_request`, disconnect)."""
     return r.reply is not None and r.reply.finish == "abort"
 
 
 def reply_over_budget(r: Rollout) -> bool:
-    """The server sent more tokens than the budget has room for."""
+    """The server sent more tokens than the budget has room for (an abort's extra step too)."""
     return r.reply is not None and r.limit is not None and r.traj.total_length + len(r.reply.ids) > r.limit
 
 

@@ -66,7 +66,7 @@ class Runtime:
         configure_builtin_tools(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         http = http if http is not None else make_http_client(cfg)
-        client = SGLangClient(cfg.server_url, http, cfg.retry, max_in_flight=cfg.max_connections)
+        client = SGLangClient(cfg.server_url, http, cfg.retry)
         return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg))
 
     def tool_schemas(self, allowed: frozenset[str]) -> list[dict[str, Any]]:

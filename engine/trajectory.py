@@ -82,7 +82,13 @@ class Trajectory:
     # -- changing ----------------------------------------------------------------
     @classmethod
     def restore(
-        cls, prompt_ids: Sequence[int], ids: array, logprobs: array, loss_mask: array, segments: list[Segment]
+        cls,
+        prompt_ids: Sequence[int],
+        ids: array,
+        logprobs: array,
+        loss_mask: array,
+        segments: list[Segment],
+        top_p: tuple[array, array] | None = None,
     ) -> Trajectory:
         """Rebuild a trajectory from a validated checkpoint (partial rollout).
 
@@ -94,6 +100,8 @@ class Trajectory:
             attrs.evolve(s, digest=_digest(ids[s.start : s.end], logprobs[s.start : s.end]) if s.kind == "model" else 0)
             for s in segments
         ]
+        if top_p is not None:
+            t.top_p_ids, t.top_p_offsets = top_p
         return t
 
     def reset(self, prompt_ids: Sequence[int]) -> None:

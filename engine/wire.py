@@ -126,6 +126,10 @@ def parse_reply(data: Any) -> Reply:
         logprobs = [float(e[0]) for e in entries]
     except (TypeError, ValueError, IndexError):
         return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "output_token_logprobs entries are not [logprob, id, text]", version, meta=meta)
+    if not all(lp <= 0.0 for lp in logprobs):  # NaN fails `<=` too
+        # Not a log-probability: refused here as a bad reply, not later as a broken invariant (I4),
+        # which would throw away the turns before it as well.
+        return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "output_token_logprobs holds a value > 0 or NaN", version, meta=meta)
     output_ids = data.get("output_ids")
     if output_ids is not None and list(output_ids) != ids:
         # max_new_tokens=0 gives one logprob for no id; speculative decoding once gave extra ones.

@@ -166,7 +166,7 @@ def tampered(change) -> Sample:
 
 def test_tampered_checkpoint_takes_reset_and_says_why(fake_interpreter):
     cases = {
-        "response ids or logprobs were changed": lambda s: s.rollout_log_probs.__setitem__(0, -9.0),
+        "response ids, logprobs or top-p replay were changed": lambda s: s.rollout_log_probs.__setitem__(0, -9.0),
         "the prompt differs": lambda s: setattr(s, "prompt", "What is 2?"),
         "token counts disagree": lambda s: setattr(s, "response_length", s.response_length - 1),
         "loss mask or logprobs length": lambda s: s.loss_mask.pop(),

@@ -109,11 +109,10 @@ async def run_floor(http: httpx.AsyncClient, url: str, payloads: list[dict[str, 
                     n: int, concurrency: int, tag: str, *, connections: int, tick: bool = False) -> Run:
     """The same request sequence per sample with nothing but httpx: post, read, next turn.
 
-    Requests wait for a connection on a semaphore as wide as the pool, as the engine's
-    client does (see `SGLangClient`), so both keep httpcore's own queue empty.
+    It posts through the same `HttpPool` as the engine's client (see engine/client.py), so
+    the two differ by the engine's work alone.
     """
     slots = asyncio.Semaphore(concurrency)
-    in_flight = asyncio.Semaphore(connections)
     errors = 0
 
     async def one(i: int) -> None:
@@ -121,8 +120,7 @@ async def run_floor(http: httpx.AsyncClient, url: str, payloads: list[dict[str, 
         headers = {ROUTING_HEADER: f"{tag}-{i}"}
         async with slots:
             for payload in payloads:
-                async with in_flight:
-                    response = await http.post(url, json=payload, headers=headers)
+                response = await http.post(url, json=payload, headers=headers)
                 errors += response.status_code != 200
 
     async def work() -> None:
@@ -168,7 +166,7 @@ async def capture_requests(cfg: EngineConfig, tokenizer: Any, tag: str) -> list[
         captured.append(request.content)  # json= bodies are encoded before hooks run
 
     http = make_http_client(cfg)
-    http.event_hooks = {"request": [keep], "response": []}
+    http.add_event_hook("request", keep)
     rt = Runtime.create(cfg, tokenizer=tokenizer, http=http)
     try:
         sample = Sample(index=0, prompt=PROMPT, session_id=f"{tag}-capture")
