@@ -34,7 +34,6 @@ class Reply:
     problem_detail: str = ""
     weight_version: str | None = None
     top_p: tuple[list[int], list[int]] | None = None
-    meta: dict[str, Any] = attrs.field(factory=dict, repr=False)
 
 
 FailureKind = Literal["context_exceeded", "rejected", "unavailable"]
@@ -115,30 +114,30 @@ def parse_reply(data: Any) -> Reply:
     finish_reason = meta.get("finish_reason")
     finish = finish_reason.get("type") if isinstance(finish_reason, dict) else None
     if finish not in ("stop", "length", "abort"):
-        return Reply([], [], None, problem=MALFORMED, problem_detail=f"unknown finish_reason {finish_reason!r}", meta=meta)
+        return Reply([], [], None, problem=MALFORMED, problem_detail=f"unknown finish_reason {finish_reason!r}")
     detail = finish_reason.get("matched", finish_reason.get("length", finish_reason.get("message")))
     version = meta.get("weight_version")
     entries = meta.get("output_token_logprobs")
     if entries is None:
-        return Reply([], [], finish, detail, LOGPROBS_MISSING, "meta_info has no output_token_logprobs", version, meta=meta)
+        return Reply([], [], finish, detail, LOGPROBS_MISSING, "meta_info has no output_token_logprobs", version)
     try:
         ids = [int(e[1]) for e in entries]
         logprobs = [float(e[0]) for e in entries]
     except (TypeError, ValueError, IndexError):
-        return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "output_token_logprobs entries are not [logprob, id, text]", version, meta=meta)
+        return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "output_token_logprobs entries are not [logprob, id, text]", version)
     if not all(lp <= 0.0 for lp in logprobs):  # NaN fails `<=` too
         # Not a log-probability: refused here as a bad reply, not later as a broken invariant (I4),
         # which would throw away the turns before it as well.
-        return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "output_token_logprobs holds a value > 0 or NaN", version, meta=meta)
+        return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "output_token_logprobs holds a value > 0 or NaN", version)
     output_ids = data.get("output_ids")
     if output_ids is not None and list(output_ids) != ids:
         # max_new_tokens=0 gives one logprob for no id; speculative decoding once gave extra ones.
-        return Reply([], [], finish, detail, LOGPROBS_MISMATCH, f"{len(ids)} logprobs for {len(output_ids)} output ids", version, meta=meta)
+        return Reply([], [], finish, detail, LOGPROBS_MISMATCH, f"{len(ids)} logprobs for {len(output_ids)} output ids", version)
     top_p = None
     kept = _decode_int32(meta.get("top_p_token_ids", meta.get("top_p_kept_token_ids")))
     offsets = _decode_int32(meta.get("top_p_token_offsets", meta.get("top_p_kept_token_offsets")))
     if kept is not None or offsets is not None:
         if kept is None or offsets is None or len(offsets) != len(ids) + 1 or offsets[0] != 0 or offsets[-1] != len(kept):
-            return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "top-p replay does not match the ids", version, meta=meta)
+            return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "top-p replay does not match the ids", version)
         top_p = (kept, offsets)
-    return Reply(ids, logprobs, finish, detail, None, "", version, top_p, meta)
+    return Reply(ids, logprobs, finish, detail, None, "", version, top_p)
