@@ -142,32 +142,35 @@ def main_run(ns: argparse.Namespace) -> int:
         return 2
     samples = read_prompts(in_path)[: ns.limit] if ns.limit else read_prompts(in_path)
     partial = ns.output + ".partial"
-    with embedded_server(ns) as url:
-        problem = check_reachable(url)
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
-        cfg = EngineConfig(
-            server_url=url,
-            profile=ns.profile,
-            max_turns=ns.max_turns,
-            max_tool_calls=ns.max_tool_calls,
-            max_context_len=ns.max_context or server_context_length(url),
-            tool_timeout=ns.tool_timeout,
-            max_connections=max(1, ns.concurrency),
-            retry=RetryPolicy(max_attempts=4, deadline=60.0),
-            tokenizer_path=ns.tokenizer,
-        )
-        params = {"temperature": ns.temperature, "top_p": 1.0, "max_new_tokens": ns.max_new_tokens,
-                  "no_stop_trim": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
-        interrupted = False
-        try:
+    interrupted, wall = False, float("nan")
+    try:
+        with embedded_server(ns) as url:
+            problem = check_reachable(url)
+            if problem:
+                print(f"error: {problem}", file=sys.stderr)
+                return 2
+            cfg = EngineConfig(
+                server_url=url,
+                profile=ns.profile,
+                max_turns=ns.max_turns,
+                max_tool_calls=ns.max_tool_calls,
+                max_context_len=ns.max_context or server_context_length(url),
+                tool_timeout=ns.tool_timeout,
+                max_connections=max(1, ns.concurrency),
+                retry=RetryPolicy(max_attempts=4, deadline=60.0),
+                tokenizer_path=ns.tokenizer,
+            )
+            params = {"temperature": ns.temperature, "top_p": 1.0, "max_new_tokens": ns.max_new_tokens,
+                      "no_stop_trim": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
             wall = asyncio.run(roll_out(samples, cfg, params, partial, progress=not ns.no_progress))
-        except KeyboardInterrupt:
-            interrupted, wall = True, float("nan")
+    except KeyboardInterrupt:  # Ctrl-C: keep what finished, under the final name
+        interrupted = True
+    if not os.path.exists(partial):
+        print("interrupted before any sample finished: nothing written", file=sys.stderr)
+        return 130
     os.replace(partial, ns.output)
-    done = [json.loads(line) for line in open(ns.output, encoding="utf-8")]
+    with open(ns.output, encoding="utf-8") as f:
+        done = [json.loads(line) for line in f]
     print(format_summary(summarize(done, wall_seconds=wall)))
     print(f"\nwrote {len(done)} sample(s) to {ns.output}" + (" (interrupted: the rest were not run)" if interrupted else ""))
     return 130 if interrupted else 0
-

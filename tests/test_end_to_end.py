@@ -102,3 +102,30 @@ def test_missing_file_and_unreachable_server_say_so(tmp_path: Path, capsys) -> N
 
 def test_demo_prompts_parse() -> None:
     assert len(read_prompts(demo_file("prompts.jsonl"))) == 20
+
+
+def test_ctrl_c_keeps_what_finished_and_never_leaves_half_a_file(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "samples.jsonl"
+    partial = tmp_path / "samples.jsonl.partial"
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "run", "--output", str(out), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if partial.exists() and partial.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    printed, _ = proc.communicate(timeout=90)
+    assert proc.returncode in (130, 0), printed  # 0: it finished before the signal landed
+    assert out.exists() and not partial.exists()
+    lines = out.read_text().splitlines()
+    assert 1 <= len(lines) <= 20
+    assert all(json.loads(line)["status"] in ("completed", "truncated", "aborted", "failed") for line in lines)
+    if proc.returncode == 130:
+        assert "interrupted" in printed
