@@ -32,3 +32,41 @@ def load_tokenizer(path: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path or default_tokenizer_dir(), local_files_only=True)
+
+
+class Codec:
+    """Encode without special tokens and decode keeping them, as the profiles need.
+
+    Goes straight to the Rust tokenizer of a fast tokenizer when that gives the same
+    result as the transformers wrapper (checked on a probe), which saves the wrapper's
+    per-call overhead (~10 us an encode, ~20 us a decode) on every turn.
+    """
+
+    PROBE = "Output:\n391 héllo 😀 世界\n<|im_end|>\n<|im_start|>assistant\n  x"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = None
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            try:
+                ids = backend.encode(self.PROBE, add_special_tokens=False).ids
+                same = ids == self._slow_encode(self.PROBE) and backend.decode(ids, skip_special_tokens=False) == tokenizer.decode(ids, skip_special_tokens=False)
+            except Exception:
+                same = False
+            self._backend = backend if same else None
+
+    def _slow_encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self._slow_encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens kept (as slime keeps them)."""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)

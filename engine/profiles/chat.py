@@ -21,6 +21,7 @@ from typing import Any
 
 from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.profiles.retool import ANSWER_RE, parse_tool_call_json
+from engine.tokenizer import Codec
 
 log = logging.getLogger(__name__)
 _SENTINEL = "@@assistant-turn-sentinel@@"
@@ -47,6 +48,7 @@ class ChatProfile:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the chat profile needs a tokenizer with a chat template")
         self.tokenizer = tokenizer
+        self.codec = Codec(tokenizer)
         self.eos = tokenizer.eos_token
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos)
         self.drift = template_drift(self)
@@ -80,10 +82,10 @@ class ChatProfile:
         return full[end:]
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.codec.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.codec.decode(ids)
 
 
 def incremental_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns: list[tuple[str, list[str]]]) -> list[int]:

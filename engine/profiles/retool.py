@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from engine.profiles.base import CallResult, ToolCall, Turn
+from engine.tokenizer import Codec
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant that can use Python tools to solve mathematical problems. "
@@ -105,6 +106,7 @@ class RetoolProfile:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.codec = Codec(tokenizer)
 
     def render_prompt(self, prompt: Any, tools: list[dict[str, Any]]) -> list[int]:
         return self.encode(render_retool_prompt(prompt, tools))
@@ -122,7 +124,7 @@ class RetoolProfile:
         return self.encode(self.observation_text(turn, results))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.codec.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.codec.decode(ids)
