@@ -54,6 +54,7 @@ class EngineConfig:
     partial_rollout: bool = False
     mask_offpolicy: bool = False
     tokenizer_path: str | None = None
+    gc_freeze: bool = True  # see engine.runtime.freeze_long_lived_objects
 
     def context_limit(self, prompt_length: int) -> int | None:
         """The most tokens prompt + response may hold for a prompt of this length."""
@@ -102,4 +103,5 @@ class EngineConfig:
             partial_rollout=bool(get("partial_rollout", False)),
             mask_offpolicy=bool(get("mask_offpolicy_in_partial_rollout", False)),
             tokenizer_path=get("hf_checkpoint", None),
+            gc_freeze=bool(get("engine_gc_freeze", True)),
         )
