@@ -118,7 +118,6 @@ class FaultInjector:
     spec: FaultSpec
     decode: Callable[[list[int]], str]
     counts: collections.Counter[str] = attrs.Factory(collections.Counter)
-    requests: int = 0
     _rng: random.Random = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -126,7 +125,6 @@ class FaultInjector:
 
     def draw(self) -> str | None:
         """The fault for the next request, or None. One uniform draw over the cumulative rates."""
-        self.requests += 1
         u, edge = self._rng.random(), 0.0
         for kind in KINDS:
             edge += getattr(self.spec, kind)
