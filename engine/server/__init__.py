@@ -11,18 +11,34 @@ and the real router, can run against it end to end without a GPU.
 From a CLI: `add_serve_arguments(parser)` then `main_serve(parser.parse_args())`.
 """
 
-from engine.server.app import build_app
-from engine.server.model import LMBackend, SamplerParams
-from engine.server.replay import ReplayEntry, ReplayScript, load_replay
-from engine.server.runner import (
-    BackgroundServer,
-    add_serve_arguments,
-    main_serve,
-    serve,
-    settings_from_namespace,
-    wait_healthy,
-)
-from engine.server.settings import ServerSettings
+from typing import Any
+
+from engine.server.settings import ServerSettings, add_serve_arguments, settings_from_namespace
+
+# The rest loads torch and transformers: imported on first use, so `python -m engine --help`
+# and the settings stay light.
+_LAZY = {
+    "build_app": "engine.server.app",
+    "LMBackend": "engine.server.model",
+    "SamplerParams": "engine.server.model",
+    "ReplayEntry": "engine.server.replay",
+    "ReplayScript": "engine.server.replay",
+    "load_replay": "engine.server.replay",
+    "BackgroundServer": "engine.server.runner",
+    "main_serve": "engine.server.runner",
+    "serve": "engine.server.runner",
+    "wait_healthy": "engine.server.runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine.server' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "BackgroundServer",

@@ -17,8 +17,7 @@ import attrs
 from aiohttp import web
 
 from engine.server.app import STATE, build_app
-from engine.server.faults import FaultSpec
-from engine.server.settings import ServerSettings
+from engine.server.settings import ServerSettings, settings_from_namespace
 
 log = logging.getLogger("engine.server")
 
@@ -62,41 +61,6 @@ async def serve(settings: ServerSettings) -> None:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
-
-
-def fault_spec_argument(text: str) -> str:
-    """argparse `type` of `--faults`: the SPEC unchanged if it parses, else a usage error."""
-    try:
-        FaultSpec.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `serve` options (one per ServerSettings field) to an argparse parser."""
-    defaults = ServerSettings()
-    parser.add_argument("--host", default=defaults.host)
-    parser.add_argument("--port", type=int, default=defaults.port, help="0 picks a free port")
-    parser.add_argument("--model-path", default=None, help="local HF causal LM directory (default: tiny Qwen3)")
-    parser.add_argument("--tokenizer-path", default=None, help="local tokenizer directory")
-    parser.add_argument("--context-length", type=int, default=defaults.context_length)
-    parser.add_argument("--replay-path", default=None, help="JSON/JSONL script of assistant turns to replay")
-    parser.add_argument("--weight-version", default=defaults.weight_version)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
-    parser.add_argument(
-        "--faults", default=None, metavar="SPEC", type=fault_spec_argument,
-        help="inject faults into /generate: a preset (default, none) and/or kind=rate pairs, e.g. "
-             "'http500=0.05,reset=0.02,stall=0.01,malformed=0.02,no_meta=0.01,abort=0.03,context400=0.01,"
-             "mismatch=0.02,seed=7' (also stall_seconds=S); counts in /server_info faults_injected")
-
-
-def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
-    """ServerSettings from parsed arguments; attributes the namespace lacks keep their defaults."""
-    names = [f.name for f in attrs.fields(ServerSettings)]
-    return ServerSettings(**{n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None})
 
 
 def main_serve(ns: argparse.Namespace) -> int:
