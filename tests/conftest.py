@@ -30,14 +30,8 @@ def fake_interpreter() -> Iterator[Any]:
     """Replace the code interpreter by an in-process fake for the test's duration."""
     from tests.helpers import FakeInterpreter
 
-    original = tools.get("code_interpreter")
-    fake = FakeInterpreter()
-    tools.register(fake, replace=True)
-    yield fake
-    if original is not None:
-        tools.register(original, replace=True)
-    else:
-        tools.unregister("code_interpreter")
+    with tools.registered(FakeInterpreter()) as fake:
+        yield fake
 
 
 def run(coro: Any) -> Any:

@@ -33,16 +33,8 @@ BASE = Episode(PROMPTS[0], ("none", 0), None, 256, 4, 4, 2, (), ("🦩",))  # fo
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeInterpreter]:
     """The in-process code_interpreter for a whole module (registering rebuilds the machine)."""
-    original = tools.get("code_interpreter")
-    interpreter = FakeInterpreter()
-    tools.register(interpreter, replace=True)
-    try:
+    with tools.registered(FakeInterpreter()) as interpreter:
         yield interpreter
-    finally:
-        if original is not None:
-            tools.register(original, replace=True)
-        else:
-            tools.unregister("code_interpreter")
 
 
 def turn_reply(text: str, *extra: int, **kw: Any) -> Reply:
@@ -69,9 +61,13 @@ def budget_of(ep: Episode) -> int | None:
 
 
 def args_of(ep: Episode, **overrides: Any) -> Any:
-    """slime's args for the episode's profile and limits; retries without sleeping."""
+    """slime's args for the episode's profile and limits; retries without sleeping.
+
+    One sample at a time needs one connection: a small pool keeps the runtime made for each
+    episode's event loop cheap (one httpx client per 4 connections).
+    """
     n = len(prompt_ids(ep.prompt, ep.profile))
-    return make_args(engine_profile=ep.profile, rollout_max_context_len=ep.limit(n),
+    return make_args(engine_profile=ep.profile, rollout_max_context_len=ep.limit(n), sglang_server_concurrency=4,
                      engine_max_response_len=ep.max_response_len,
                      engine_max_turns=ep.max_turns, engine_max_tool_calls=ep.max_tool_calls,
                      engine_retry_attempts=ep.retry_attempts, engine_retry_base_delay=0.0,

@@ -180,10 +180,8 @@ def slime_to_dict(sample: Sample) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def recorded() -> Iterator[dict[str, Sample]]:
     """Real rollouts through `engine.slime.generate` against a scripted server, by name."""
-    original = tools.get("code_interpreter")
-    fake = FakeInterpreter()
-    tools.register(fake, replace=True)
     samples: dict[str, Sample] = {}
+    fake = FakeInterpreter()
 
     def record(name: str, script: list, output: Any = None, **args_kw: Any) -> None:
         fake.output = output or (lambda code: f"Output:\n{code}")
@@ -193,17 +191,12 @@ def recorded() -> Iterator[dict[str, Sample]]:
             run(slime.generate(make_args(**args_kw), sample, dict(SAMPLING)))
         samples[name] = sample
 
-    try:
+    with tools.registered(fake):
         record("answered", [turn(CODE_TURN), turn(ANSWER_TURN)])
         record("trimmed", [turn(CODE_TURN)], output=lambda code: "Output:\n" + "9" * 5000, rollout_max_context_len=prompt_length() + 300)
         record("three_turns", [turn(CODE_TURN), turn(CODE_TURN), turn(ANSWER_TURN)])
         record("invalid", [turn("Let me think about it."), turn(ANSWER_TURN)])
         record("no_logprobs", [turn(CODE_TURN), turn(ANSWER_TURN, with_logprobs=False)])
-    finally:
-        if original is not None:
-            tools.register(original, replace=True)
-        else:
-            tools.unregister("code_interpreter")
     yield samples
 
 

@@ -5,7 +5,11 @@ example names it) and `python_session` (a stateful Python session per trajectory
 example of writing your own tool). See tools/registry.py for the protocol.
 """
 
-from tools.registry import Tool, ToolError, ToolResult, check_arguments, get, names, register, tool, unregister
+from tools.registry import (
+    Tool, ToolError, ToolResult, check_arguments, get, names, register, registered, tool, unregister,
+)
 from tools import code_interpreter, python_session  # noqa: E402,F401  (registers the built-ins)
 
-__all__ = ["Tool", "ToolError", "ToolResult", "check_arguments", "get", "names", "register", "tool", "unregister"]
+__all__ = [
+    "Tool", "ToolError", "ToolResult", "check_arguments", "get", "names", "register", "registered", "tool", "unregister",
+]

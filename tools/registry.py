@@ -17,10 +17,11 @@ or, for a tool that keeps state per trajectory, subclass `Tool` and override
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar
 
 import attrs
@@ -161,6 +162,20 @@ def unregister(name: str) -> None:
     global _version
     if _REGISTRY.pop(name, None) is not None:
         _version += 1
+
+
+@contextlib.contextmanager
+def registered(replacement: Tool) -> Iterator[Tool]:
+    """Register `replacement` for the block, then put back what was registered under its name."""
+    original = _REGISTRY.get(replacement.name)
+    register(replacement, replace=True)
+    try:
+        yield replacement
+    finally:
+        if original is not None:
+            register(original, replace=True)
+        else:
+            unregister(replacement.name)
 
 
 def tool(fn: Callable[..., Awaitable[Any]] | None = None, *, name: str | None = None, replace: bool = False) -> Any:

@@ -140,15 +140,6 @@ class InstantInterpreter(tools.Tool):
         return "Output:\n1"
 
 
-@contextlib.contextmanager
-def instant_interpreter() -> Iterator[tools.Tool]:
-    """Register `InstantInterpreter` for the block, then put back whatever was registered before."""
-    original = tools.get("code_interpreter")
-    fake = tools.register(InstantInterpreter(), replace=True)
-    try:
-        yield fake
-    finally:
-        if original is not None:
-            tools.register(original, replace=True)
-        else:
-            tools.unregister("code_interpreter")
+def instant_interpreter() -> contextlib.AbstractContextManager[tools.Tool]:
+    """Register `InstantInterpreter` for a block, then put back whatever was registered before."""
+    return tools.registered(InstantInterpreter())
