@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import random
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +44,12 @@ class HttpPool:
     def __init__(self, max_connections: int, timeout: httpx.Timeout, per_shard: int = SHARD_CONNECTIONS) -> None:
         count = max(1, math.ceil(max_connections / per_shard))
         limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
+        # One TLS context for all shards: httpx builds one per client otherwise, loading the CA
+        # bundle each time (~15 ms and ~0.7 MiB per shard: 2 s and 90 MiB at 512 connections).
+        tls = ssl.create_default_context()
         # trust_env=False: never route loopback or cluster traffic through a proxy from the env
-        self.shards = [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) for _ in range(count)]
+        self.shards = [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=tls)
+                       for _ in range(count)]
         self._free = [i for i in range(count) for _ in range(per_shard)]  # one entry per connection
         self._gate = asyncio.Semaphore(len(self._free))
 

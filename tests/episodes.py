@@ -39,7 +39,9 @@ USABLE_ENDS = frozenset({"reply_over_budget", "finished_length", "answered", "to
                          "observation_over_budget", "context_full", "max_turns_reached"})
 PROBLEM_REASON = {"missing": "logprobs_missing", "extra_id": "logprobs_mismatch", "bad_entry": "logprobs_mismatch",
                   "zero_quirk": "logprobs_mismatch", "bad_value": "logprobs_mismatch", "no_meta": "reply_malformed",
-                  "bad_finish": "reply_malformed"}
+                  "bad_finish": "reply_malformed", "top_p_dropped": "top_p_replay_dropped"}
+SPOILERS = sorted(set(PROBLEM_REASON) - {"top_p_dropped"})  # what a reply may be drawn with; the last is the
+# server's doing: a reply without top-p replay after replayed ones (see EpisodeServer)
 
 
 @attrs.frozen
@@ -52,6 +54,7 @@ class Reply:
     problem: str | None = None
     obey_cap: bool = True
     weight_version: str = "default"
+    top_p: bool = True  # carries top-p replay when the episode's top_p mode is "mixed"
 
 
 @attrs.frozen
@@ -74,7 +77,7 @@ class Episode:
     retry_attempts: int
     script: tuple[Reply | Fault, ...]
     outputs: tuple[str | None, ...]  # show(k) prints outputs[k]; None: the tool raises
-    top_p: bool = False  # every reply carries top-p replay (kept ids per token)
+    top_p: str = "none"  # top-p replay (kept ids per token) on "none", "all" or "mixed" replies
     profile: str = "retool"  # or "chat": the tokenizer's own template, <tool_call> JSON turns
 
     def limit(self, prompt_len: int) -> int | None:
@@ -147,9 +150,9 @@ def replies(draw: st.DrawFn, n_outputs: int) -> Reply:
     if draw(st.booleans()):
         values = st.one_of(st.floats(-30.0, 0.0), st.just(-0.0), st.just(float("-inf")))
         logprobs = tuple(draw(st.lists(values, min_size=len(ids), max_size=len(ids))))
-    problem = draw(st.sampled_from(sorted(PROBLEM_REASON))) if draw(st.integers(0, 9)) == 0 else None
+    problem = draw(st.sampled_from(SPOILERS)) if draw(st.integers(0, 9)) == 0 else None
     return Reply(tuple(ids), finish, logprobs, problem, draw(weighted((3, True), (1, False))),
-                 draw(st.sampled_from(["default", "v2"])))
+                 draw(st.sampled_from(["default", "v2"])), draw(weighted((3, True), (1, False))))
 
 
 outputs = st.one_of(
@@ -182,7 +185,7 @@ def episodes(draw: st.DrawFn) -> Episode:
         retry_attempts=draw(st.integers(1, 4)),
         script=tuple(draw(st.lists(item, min_size=length, max_size=length))),
         outputs=tuple(draw(st.lists(outputs, min_size=n_outputs, max_size=n_outputs))),
-        top_p=draw(weighted((3, False), (1, True))),
+        top_p=draw(weighted((6, "none"), (1, "all"), (1, "mixed"))),
         profile=draw(weighted((3, "retool"), (1, "chat"))),
     )
 
@@ -204,6 +207,7 @@ class EpisodeServer:
     def __init__(self, episode: Episode) -> None:
         self.script = list(episode.script)
         self.top_p = episode.top_p
+        self.replayed = False  # whether the sample's trajectory carries top-p replay by now
         self.requests: list[dict[str, Any]] = []
         self.headers: list[httpx.Headers] = []
         self.sent: list[Sent] = []
@@ -218,7 +222,12 @@ class EpisodeServer:
             self.sent.append(Sent(item, None))
             return fault_response(item.kind, payload)
         body, usable, problem = self._reply(item, payload)
-        spans = add_top_p(body) if self.top_p else None
+        carries = self.top_p == "all" or self.top_p == "mixed" and item.top_p
+        spans = add_top_p(body) if carries else None
+        if usable is not None and spans is not None:
+            self.replayed = True  # a usable reply is always appended, with its replay
+        elif usable is not None and usable[0] and self.replayed:
+            usable, problem = None, "top_p_dropped"  # replay stops mid-sample: refused, not appended
         self.sent.append(Sent(item, usable, problem, spans))
         # json.dumps, not httpx's json=: -Infinity and NaN must reach the client as SGLang writes them.
         return httpx.Response(200, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
@@ -228,8 +237,7 @@ class EpisodeServer:
         ids, finish = list(item.ids), item.finish
         lps = list(item.logprobs) if item.logprobs is not None else fake_logprobs(ids, seed=len(ids))
         cap = payload["sampling_params"].get("max_new_tokens")
-        # An abort always obeys the cap: an over-budget abort is a known bug, see test_properties.
-        if (item.obey_cap or finish == "abort") and cap is not None and len(ids) > cap:
+        if item.obey_cap and cap is not None and len(ids) > cap:
             ids, lps = ids[:cap], lps[:cap]
             finish = "abort" if finish == "abort" else "length"
         problem = item.problem if item.problem != "bad_value" or lps else None  # no token to spoil
@@ -308,7 +316,8 @@ def reasons_after(last: Sent | None) -> frozenset[str]:
         return frozenset({"context_rejected" if item.kind in CONTEXT else "request_rejected"})
     if last.problem is not None:
         return frozenset({PROBLEM_REASON[last.problem]})
-    return frozenset({"server_aborted"}) if item.finish == "abort" else USABLE_ENDS
+    # An abort reply longer than the room left is trimmed first (`reply_over_budget`).
+    return frozenset({"server_aborted", "reply_over_budget"}) if item.finish == "abort" else USABLE_ENDS
 
 
 def decode(ids: list[int]) -> str:
@@ -335,5 +344,5 @@ def conversations(draw: st.DrawFn) -> Episode:
         retry_attempts=1,
         script=tuple(turns),
         outputs=tuple(draw(st.lists(text, min_size=n_outputs, max_size=n_outputs))),
-        top_p=draw(st.booleans()),
+        top_p=draw(st.sampled_from(["none", "all"])),
     )
