@@ -143,6 +143,9 @@ def _probe() -> _Capabilities:
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
     prefixes.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
     hide = tuple(h for h in hide if not any(_under(h, p) for p in prefixes))
+    # Under /tmp (a private tmpfs already) or under another hidden path, a path is hidden
+    # anyway, and mounting over it would fail: the probe would then turn namespaces off.
+    hide = tuple(h for h in hide if not _under(h, "/tmp") and not any(o != h and _under(h, o) for o in hide))
     needed = sorted(p for p in prefixes if any(_under(p, h) for h in hide))
     expose = tuple(p for p in needed if not any(q != p and _under(p, q) for q in needed))
 
