@@ -104,7 +104,7 @@ def test_routing_key_is_forwarded_and_sticky(cluster: Cluster) -> None:
     for key in keys:
         counts = [s.get(key, 0) for s in seen]
         assert sorted(counts) == [0, 3], f"{key} split over workers: {counts}"  # every request, one worker
-    assert all(any(k in s for k in keys) for s in seen), "both workers should own some keys"
+    # Which worker owns a new key is the router's policy (not always a spread over both): not asserted.
 
 
 def test_body_comes_back_unchanged(cluster: Cluster) -> None:
