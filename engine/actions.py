@@ -23,7 +23,7 @@ def reset_rollout(r: Rollout) -> None:
     r.limit = r.cfg.context_limit(len(r.prompt_ids))
     r.turns = r.tool_calls = 0
     r.max_new_tokens = None
-    r.reply = r.failure = r.turn = None
+    r.reply = r.turn = None
     r.calls, r.results, r.observation_ids = [], [], []
     r.weight_versions, r.turn_log = [], []
     r.tool_stats = {"calls": 0, "errors": {}, "timeouts": 0, "seconds": 0.0}

@@ -63,7 +63,6 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
     r.generation_time += time.perf_counter() - started
     r.reply, r.turn = None, None
     if isinstance(outcome, Failure):
-        r.failure = outcome
         r.error = f"{outcome.kind}: {outcome.message}"
         return FAILURE_TRIGGERS[outcome.kind]
     r.reply = outcome

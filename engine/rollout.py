@@ -16,7 +16,7 @@ import attrs
 from engine.config import EngineConfig
 from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.trajectory import Trajectory
-from engine.wire import Failure, Reply
+from engine.wire import Reply
 
 if TYPE_CHECKING:
     from engine.checkpoint import Restored
@@ -53,7 +53,6 @@ class Rollout:
     abort_check: Callable[[], bool] = _never  # cooperative abort (slime's or the engine's flag)
     # What the last I/O step produced; guards read these.
     reply: Reply | None = None
-    failure: Failure | None = None
     turn: Turn | None = None
     calls: list[ToolCall] = attrs.field(factory=list)  # calls of this turn still to run
     results: list[CallResult] = attrs.field(factory=list)  # answers to this turn's calls

@@ -22,7 +22,6 @@ ENGINE_KEYS = (
     "invariant_violation",
     "generation_time",
     "tool_time",
-    "weight_versions",
     "profile",
     "fsm_checkpoint",
     "checkpoint_rejected",

@@ -263,10 +263,7 @@ async def scale_figure(server: CannedServer, tokenizer: Any, sizes: Sizes, repea
     """Figure 6: the longest event-loop stall with `scale_samples` samples in flight at once.
 
     All samples start together and share figure 1's pool (256 connections; 32 with --small),
-    so most of them wait for a connection. Not slime's default of 512: httpcore's pool
-    costs O(connections^2) per request (it compares every idle connection against the
-    whole pool), ~12 ms of CPU per request at 512 on this machine, which would make this
-    figure run for minutes and measure httpcore alone.
+    so most of them wait for a connection in the engine's `HttpPool`.
     """
     n, turns = sizes.scale_samples, sizes.scale_turns
     with instant_interpreter():
