@@ -6,11 +6,11 @@ FAILED); its per-token arrays live in one `Trajectory` that keeps them aligned.
 """
 
 from engine.config import EngineConfig, RetryPolicy
-from engine.driver import drive, new_rollout
-from engine.machine import MachineSpec, get_machine
-from engine.rollout import Rollout
-from engine.runtime import Runtime
-from engine.trajectory import InvariantViolation, Trajectory
+from engine.loop.driver import drive, new_rollout
+from engine.machine.table import MachineSpec, get_machine
+from engine.machine.rollout import Rollout
+from engine.loop.runtime import Runtime
+from engine.machine.trajectory import InvariantViolation, Trajectory
 
 __all__ = [
     "EngineConfig",

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=fn)
         return p
 
-    run = command("run", _lazy("engine.runjob:main_run"), "roll out a JSONL of prompts against a server (default: the embedded demo)")
+    run = command("run", _lazy("engine.local.run:main_run"), "roll out a JSONL of prompts against a server (default: the embedded demo)")
     run.add_argument("--input", help="JSONL of prompts (default: the shipped demo set)")
     run.add_argument("--output", default="samples.jsonl", help="where the samples go (JSONL)")
     run.add_argument("--server", help="SGLang server or router URL (default: start the embedded server)")
@@ -52,39 +52,39 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--limit", type=int, help="only the first N prompts")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    serve = command("serve", _lazy("engine.server:main_serve"), "serve SGLang's /generate API from a small CPU model")
-    from engine.server import add_serve_arguments
+    serve = command("serve", _lazy("engine.local.server:main_serve"), "serve SGLang's /generate API from a small CPU model")
+    from engine.local.server import add_serve_arguments
 
     add_serve_arguments(serve)
 
-    diagram = command("diagram", _lazy("engine.diagrams:main_diagram"), "draw the machine from its definition into diagrams/")
+    diagram = command("diagram", _lazy("engine.trace.diagrams:main_diagram"), "draw the machine from its definition into diagrams/")
     diagram.add_argument("--out", default="diagrams", help="output directory")
     diagram.add_argument("--check", action="store_true", help="fail if the files there are not current")
 
-    trace = command("trace", _lazy("engine.diagrams:main_trace"), "draw the path one sample took")
+    trace = command("trace", _lazy("engine.trace.diagrams:main_trace"), "draw the path one sample took")
     trace.add_argument("file", help="rollout JSONL, or slime's --save-debug-rollout-data dump")
     trace.add_argument("--sample", default="0", help="sample index (or its 'index' field)")
     trace.add_argument("--out", help="write the highlighted diagram here (.mmd or .svg)")
 
-    flow = command("flow", _lazy("engine.diagrams:main_flow"), "draw where a batch of samples went: edge and terminal counts")
+    flow = command("flow", _lazy("engine.trace.diagrams:main_flow"), "draw where a batch of samples went: edge and terminal counts")
     flow.add_argument("file", help="rollout JSONL, or slime's --save-debug-rollout-data dump")
     flow.add_argument("--out", help="write the counted diagram here (.mmd or .svg)")
 
-    bench = command("bench", _lazy("engine.bench:main_bench"), "measure engine overhead against its floors")
+    bench = command("bench", _lazy("engine.local.bench:main_bench"), "measure engine overhead against its floors")
     bench.add_argument("--small", action="store_true", help="a quick smoke-size run (CI)")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument("--samples", type=int, help="rollout samples (default 512; --small 64)")
     bench.add_argument("--turns", type=int, help="turns per sample (default 8)")
     bench.add_argument("--repeats", type=int, help="repeats per figure (medians are reported)")
 
-    soak = command("soak", _lazy("engine.soak:main_soak"), "many samples through a faulty server with real sandbox calls")
+    soak = command("soak", _lazy("engine.local.soak:main_soak"), "many samples through a faulty server with real sandbox calls")
     soak.add_argument("--samples", type=int, default=2000)
     soak.add_argument("--concurrency", type=int, default=256)
     soak.add_argument("--faults", default="default", help="fault spec (see `serve --faults`)")
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", action="store_true")
 
-    attacks = command("attacks", _lazy("tools.attacks:main_attacks"), "run the sandbox attack suite and print what was contained")
+    attacks = command("attacks", _lazy("tools.sandbox.attacks.suite:main_attacks"), "run the sandbox attack suite and print what was contained")
     attacks.add_argument("--json", action="store_true")
     return parser
 

@@ -54,7 +54,7 @@ class EngineConfig:
     partial_rollout: bool = False
     mask_offpolicy: bool = False
     tokenizer_path: str | None = None
-    gc_freeze: bool = True  # see engine.runtime.freeze_long_lived_objects
+    gc_freeze: bool = True  # see engine.loop.runtime.freeze_long_lived_objects
 
     def context_limit(self, prompt_length: int) -> int | None:
         """The most tokens prompt + response may hold for a prompt of this length."""

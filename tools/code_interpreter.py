@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import attrs
 
 from tools.registry import Tool, ToolError, ToolResult, register
-from tools.sandbox import SandboxError, SandboxLimits, SandboxResult, run_python
+from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
 
 _TRACEBACK = "Traceback (most recent call last):\n"
 

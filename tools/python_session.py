@@ -23,7 +23,7 @@ import attrs
 
 from tools.code_interpreter import current_limits, format_result
 from tools.registry import Tool, ToolError, ToolResult, register
-from tools.sandbox import SandboxError, SandboxLimits, run_python
+from tools.sandbox.runner import SandboxError, SandboxLimits, run_python
 
 # Runs in the sandbox; reads the cells as JSON on stdin, so no code is pasted into code.
 _REPLAY = r"""

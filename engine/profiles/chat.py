@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.profiles.retool import ANSWER_RE, parse_tool_call_json
-from engine.tokenizer import Codec
+from engine.profiles.tokenizer import Codec
 
 log = logging.getLogger(__name__)
 _SENTINEL = "@@assistant-turn-sentinel@@"

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from engine.profiles.base import CallResult, ToolCall, Turn
-from engine.tokenizer import Codec
+from engine.profiles.tokenizer import Codec
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant that can use Python tools to solve mathematical problems. "

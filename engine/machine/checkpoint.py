@@ -1,0 +1,125 @@
+"""Partial rollout: the checkpoint an ABORTED sample carries, and its validation on resume.
+
+With slime's `--partial-rollout`, an aborted sample comes back later with the tokens it
+had. The checkpoint (`sample.metadata["fsm"]["checkpoint"]`) says what those tokens are:
+prompt and response lengths, fingerprints of the prompt ids and of the response ids and
+logprobs, the segments (model turn / observation) with the weight version of each model
+turn, and where to continue (generate, or re-run the tool calls a turn asked for). A
+checkpoint that does not match the sample's fields in every respect is not trusted: the
+sample restarts from RESET, so tokens that do not belong together are never stitched.
+
+This module never sees the caller's sample: the slime adapter reads the checkpoint and the
+sample's arrays into a `Saved`, and `validate` judges that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any, Literal
+
+import attrs
+
+from engine.machine.rollout import Restored, ResumeAt, Rollout
+from engine.machine.trajectory import Segment, Trajectory
+
+VERSION = 1
+
+
+@attrs.frozen
+class Saved:
+    """What an earlier attempt left on the sample, as plain values: the checkpoint and the arrays."""
+
+    checkpoint: Any
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    logprobs: list[float]
+    top_p_ids: Any = None
+    top_p_offsets: Any = None
+
+
+def _sha(*parts: array) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.tobytes())
+    return h.hexdigest()[:32]
+
+
+def _top_p_arrays(kept: Any, offsets: Any) -> tuple[array, ...]:
+    """Top-p replay as int32 arrays for fingerprinting, () when the sample carries none."""
+    if kept is None or offsets is None:
+        return ()
+    return array("i", list(kept)), array("i", list(offsets))
+
+
+def resume_point(r: Rollout) -> ResumeAt:
+    """Where an aborted rollout continues: its tools if it stopped while running them."""
+    source = r.trace[-1][0] if r.trace else "GENERATE"
+    in_tools = source == "TOOL_CALL" or source.startswith("TOOL_") or source == "RESUME" and bool(r.calls)
+    return "tools" if in_tools and r.traj.segments and r.traj.segments[-1].kind == "model" else "generate"
+
+
+def make_checkpoint(r: Rollout) -> dict[str, Any]:
+    """What a later call needs to continue `r` and to prove the sample was not changed since."""
+    t = r.traj
+    at = resume_point(r)
+    last = t.segments[-1] if t.segments else None
+    partial = last.end - last.start if at == "generate" and last is not None and last.kind == "model" else 0
+    return {
+        "version": VERSION,
+        "prompt_length": t.prompt_length,
+        "prompt_sha": _sha(t.prompt_ids),
+        "response_length": t.response_length,
+        "response_sha": _sha(t.response_ids, t.logprobs, *_top_p_arrays(t.top_p_ids, t.top_p_offsets)),
+        "segments": [[s.kind, s.start, s.end, s.weight_version] for s in t.segments],
+        "resume_at": at,
+        "partial_turn_tokens": partial,
+        # A turn the abort cut short is not counted: the resumed one takes its place.
+        "turns": r.turns - (1 if r.trace and r.trace[-1][0] == "GENERATE" and r.reply is not None else 0),
+        "tool_calls": r.tool_calls_before_turn if at == "tools" else r.tool_calls,
+        "turn_log": list(r.turn_log),
+        "attempt": r.attempt,
+    }
+
+
+def validate(saved: Saved, prompt_ids: list[int], mask_offpolicy: bool) -> Restored | str:
+    """The restored trajectory, or the reason the checkpoint is not trusted."""
+    cp = saved.checkpoint
+    if not isinstance(cp, dict) or cp.get("version") != VERSION:
+        return "no usable checkpoint"
+    try:
+        n_prompt, n_resp = int(cp["prompt_length"]), int(cp["response_length"])
+        tokens = list(saved.tokens or [])
+        mask = list(saved.loss_mask or [])
+        logprobs = list(saved.logprobs or [])
+        if n_prompt != len(prompt_ids) or tokens[:n_prompt] != list(prompt_ids):
+            return "the prompt differs from the checkpoint's"
+        if _sha(array("i", prompt_ids)) != cp["prompt_sha"]:
+            return "the prompt fingerprint differs"
+        if not (len(tokens) == n_prompt + n_resp == n_prompt + int(saved.response_length)):
+            return "token counts disagree with the checkpoint"
+        if not (len(mask) == len(logprobs) == n_resp):
+            return "loss mask or logprobs length disagrees with the checkpoint"
+        ids, lps = array("i", tokens[n_prompt:]), array("d", logprobs)
+        top_p = _top_p_arrays(saved.top_p_ids, saved.top_p_offsets)
+        if _sha(ids, lps, *top_p) != cp["response_sha"]:
+            return "response ids, logprobs or top-p replay were changed"
+        if any(m not in (0, 1) for m in mask):
+            return "loss mask holds values other than 0 and 1"
+        segments = [Segment(k, int(a), int(b), weight_version=v) for k, a, b, v in cp["segments"]]
+        starts = [0, *(s.end for s in segments)]
+        if [s.start for s in segments] != starts[:-1] or starts[-1] != n_resp:
+            return "segments do not tile the response"
+        at = cp["resume_at"]
+        if at not in ("generate", "tools") or (at == "tools" and (not segments or segments[-1].kind != "model")):
+            return "unknown resume point"
+        if top_p and len(top_p[1]) != n_resp + 1:
+            return "top-p replay does not span the response"
+        traj = Trajectory.restore(prompt_ids, ids, lps, array("b", mask), segments, top_p or None)
+        if mask_offpolicy:
+            traj.mask_tokens_before(n_resp)  # slime may have done it already; doing it twice is harmless
+        return Restored(traj, at, int(cp["partial_turn_tokens"]), int(cp["turns"]), int(cp["tool_calls"]),
+                        list(cp["turn_log"]), int(cp.get("attempt", 1)))
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"malformed checkpoint: {exc}"

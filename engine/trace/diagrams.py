@@ -1,0 +1,284 @@
+"""The machine's diagrams: the checked-in `diagrams/`, and the `diagram`, `trace`, `flow` commands.
+
+`python -m engine diagram` draws the machine with the built-in tools registered (see
+engine/drawing.py for how); `trace` and `flow` draw it with an `Overlay` highlighting the
+edges and states recorded samples took (engine/sample_paths.py), read from a rollout
+JSONL or a slime debug dump (engine/samples_file.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from engine.trace.drawing import FAULT_TRIGGERS, machine_dot, machine_mermaid, machine_svg, svg_digest, svg_edge_id
+from engine.machine.table import MachineSpec
+from engine.trace.paths import Overlay, edge_counts, flow_overlay, flow_table, timeline, trace_overlay
+from engine.trace.samples_file import fsm_trace, load_samples, metadata, select_sample, status_name
+
+__all__ = [
+    "Overlay",
+    "builtin_spec",
+    "edge_counts",
+    "load_samples",
+    "machine_dot",
+    "machine_mermaid",
+    "machine_svg",
+    "main_diagram",
+    "main_flow",
+    "main_trace",
+    "readme_text",
+    "spec_for_samples",
+    "stale_diagrams",
+    "svg_edge_id",
+    "timeline",
+    "write_diagrams",
+    "write_drawing",
+]
+
+# One line per core state for diagrams/README.md (tool states get theirs from the tool's name).
+LEGEND = {
+    "RESET": "forgets what an earlier attempt left on the sample, renders the prompt and starts from it alone",
+    "RESUME": "puts back the partial trajectory of an aborted sample whose checkpoint matched, then re-runs its pending tool calls or goes on generating",
+    "BUDGET_CHECK": "before each turn: ends TRUNCATED if the prompt alone is over budget or context, per-turn cap or turns are spent, else clamps max_new_tokens to the room left",
+    "GENERATE": "one /generate request; the reply's ids and logprobs are taken as sent, then the turn is parsed (answer, tool call, invalid)",
+    "TOOL_CALL": "plans the turn's calls (surplus or unparsable ones get an error answer), hands them to the tool states, appends the observation (mask 0)",
+    "TRIM": "cuts every per-token array to the budget together after a reply or an observation overflowed it",
+    "COMPLETED": "terminal: the model gave its final answer",
+    "TRUNCATED": "terminal: a budget ran out (context, turns, tool calls) or the turn hit its max_new_tokens",
+    "ABORTED": "terminal: an unusable reply, a server abort, a failed request, a cancellation, or a broken invariant (response discarded)",
+    "FAILED": "terminal: an engine error, or a request the server rejected",
+}
+
+# -- which machine -------------------------------------------------------------------
+
+
+@cache
+def builtin_tool_names() -> tuple[str, ...]:
+    """The tools a fresh `import tools` registers: what `python -m engine diagram` draws.
+
+    Asked of a fresh interpreter so that tools a test (or a caller) registered in this
+    process never leak into the checked-in diagrams or their staleness check.
+    """
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    code = "import json, tools; print(json.dumps(list(tools.names())))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"importing the tools package failed:\n{done.stderr}")
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def builtin_spec() -> MachineSpec:
+    """The machine with the built-in tools registered."""
+    return MachineSpec.from_registry(tool_names=builtin_tool_names())
+
+
+def spec_for_samples(samples: Sequence[dict[str, Any]]) -> MachineSpec:
+    """The built-in machine plus a state for every other tool the samples' traces passed through."""
+    names = set(builtin_tool_names())
+    for sample in samples:
+        for step in fsm_trace(sample):
+            names.update(s.removeprefix("TOOL_").lower() for s in step[:3:2] if s.startswith("TOOL_") and s != "TOOL_CALL")
+    return MachineSpec.from_registry(tool_names=tuple(sorted(names)))
+
+
+# -- the checked-in files ------------------------------------------------------------
+
+
+def readme_text(spec: MachineSpec) -> str:
+    """diagrams/README.md: the Mermaid (GitHub renders it), the compact view, a legend."""
+    tool_line = "runs the turn's waiting calls to the `{}` tool concurrently, then back to TOOL_CALL"
+    rows = [f"| `{s}` | {tool_line.format(spec.tool_states[s]) if s in spec.tool_states else LEGEND.get(s, '')} |" for s in spec.states]
+    faults = ", ".join(f"`{t}`" for t in sorted(FAULT_TRIGGERS))
+    parts = [
+        "# The rollout machine",
+        "",
+        "Drawn from its definition (`engine/machine.py`, the built-in tools registered) by",
+        "`python -m engine diagram`; do not edit. `python -m engine diagram --check` and",
+        "`tests/test_diagrams.py` fail when these files fall behind the definition.",
+        "",
+        "`machine.mmd` is the Mermaid source below, `machine.svg` the same machine laid out by Graphviz.",
+        "Each edge reads `trigger [guard]`; edges of one trigger from one state are tried in table order.",
+        "",
+        "| state | what it does |",
+        "|---|---|",
+        *rows,
+        "",
+        "## The whole machine",
+        "",
+        "```mermaid",
+        machine_mermaid(spec).rstrip("\n"),
+        "```",
+        "",
+        "## Without the fault edges",
+        "",
+        f"The same machine with the fault edges ({faults}) folded into one pseudo-state.",
+        "",
+        "```mermaid",
+        machine_mermaid(spec, compact=True).rstrip("\n"),
+        "```",
+        "",
+        "## One sample's path, a batch's flow",
+        "",
+        "`python -m engine trace samples.jsonl --sample 3 --out path.svg` prints the sample's timeline and",
+        "draws this machine with its path highlighted; `python -m engine flow samples.jsonl --out flow.svg`",
+        "counts every edge and ending over a whole file (also slime's `--save-debug-rollout-data` dumps).",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def render_diagrams(spec: MachineSpec | None = None) -> dict[str, bytes]:
+    """The contents of every checked-in diagram file, by name."""
+    spec = spec or builtin_spec()
+    return {
+        "machine.mmd": machine_mermaid(spec).encode(),
+        "machine.svg": machine_svg(spec),
+        "README.md": readme_text(spec).encode(),
+    }
+
+
+README_START = "<!-- machine diagram: written by `python -m engine diagram`, do not edit -->"
+README_END = "<!-- end of machine diagram -->"
+
+
+def _project_readme(out_dir: Path, spec: MachineSpec) -> tuple[Path, str, str] | None:
+    """The project README beside `out_dir` with its embedded diagram: (path, current, fresh).
+
+    None when there is no README there or it has no diagram markers.
+    """
+    path = out_dir.resolve().parent / "README.md"
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if README_START not in text or README_END not in text:
+        return None
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    block = f"{README_START}\n```mermaid\n{machine_mermaid(spec, compact=True)}```\n{README_END}"
+    return path, text, head + block + tail
+
+
+def write_diagrams(out_dir: str | Path, spec: MachineSpec | None = None) -> list[Path]:
+    """Write machine.mmd, machine.svg and README.md into `out_dir`; return their paths.
+
+    The compact drawing embedded in the project's README (between its markers) is
+    rewritten too, so the README never shows an old machine.
+    """
+    spec = spec or builtin_spec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, data in render_diagrams(spec).items():
+        (out / name).write_bytes(data)
+        written.append(out / name)
+    readme = _project_readme(out, spec)
+    if readme is not None and readme[1] != readme[2]:
+        readme[0].write_text(readme[2], encoding="utf-8")
+        written.append(readme[0])
+    return written
+
+
+def stale_diagrams(out_dir: str | Path, spec: MachineSpec | None = None) -> list[str]:
+    """The files of `out_dir` that are missing or differ from a fresh render ([] when current).
+
+    The SVG is compared by the digest of the graph it draws (see `machine_svg`).
+    """
+    spec = spec or builtin_spec()
+    out = Path(out_dir)
+    stale = []
+    readme = _project_readme(out, spec)
+    if readme is not None and readme[1] != readme[2]:
+        stale.append(str(readme[0]))
+    for name, fresh in render_diagrams(spec).items():
+        path = out / name
+        old = path.read_bytes() if path.is_file() else None
+        same = old is not None and (svg_digest(old) == svg_digest(fresh) if name.endswith(".svg") else old == fresh)
+        if not same:
+            stale.append(str(path))
+    return stale
+
+
+OUT_SUFFIXES = (".svg", ".mmd", ".mermaid", ".md")
+
+
+def write_drawing(path: str | Path, spec: MachineSpec, overlay: Overlay | None = None) -> Path:
+    """Write the (highlighted) machine to `path`: SVG for .svg, Mermaid for .mmd (a fenced block for .md)."""
+    path = Path(path)
+    if path.suffix not in OUT_SUFFIXES:
+        raise ValueError(f"--out must end in .mmd or .svg, got {path.name}")
+    if path.suffix == ".svg":
+        path.write_bytes(machine_svg(spec, overlay))
+    else:
+        text = machine_mermaid(spec, overlay)
+        path.write_text(f"```mermaid\n{text}```\n" if path.suffix == ".md" else text, encoding="utf-8")
+    return path
+
+
+# -- commands --------------------------------------------------------------------------
+
+
+def main_diagram(ns: argparse.Namespace) -> int:
+    """`python -m engine diagram [--out DIR] [--check]`."""
+    spec = builtin_spec()
+    if ns.check:
+        stale = stale_diagrams(ns.out, spec)
+        if stale:
+            print("stale diagrams (regenerate with `python -m engine diagram`): " + ", ".join(stale), file=sys.stderr)
+            return 1
+        print(f"{ns.out}: current")
+        return 0
+    for path in write_diagrams(ns.out, spec):
+        print(f"wrote {path}")
+    return 0
+
+
+def main_trace(ns: argparse.Namespace) -> int:
+    """`python -m engine trace FILE [--sample ID] [--out PATH]`."""
+    try:
+        _check_out(ns.out)
+        samples = load_samples(ns.file)
+        position, sample = select_sample(samples, str(ns.sample))
+    except (OSError, ValueError) as exc:
+        print(f"trace: {exc}", file=sys.stderr)
+        return 2
+    spec = spec_for_samples([sample])
+    print(timeline(sample, spec, position=position))
+    title = f"sample {position}, {status_name(sample)} ({metadata(sample).get('termination_reason')})"
+    overlay = trace_overlay(spec, sample, title=title)
+    return _emit(ns.out, spec, overlay)
+
+
+def main_flow(ns: argparse.Namespace) -> int:
+    """`python -m engine flow FILE [--out PATH]`."""
+    try:
+        _check_out(ns.out)
+        samples = load_samples(ns.file)
+    except (OSError, ValueError) as exc:
+        print(f"flow: {exc}", file=sys.stderr)
+        return 2
+    spec = spec_for_samples(samples)
+    print(flow_table(samples, spec))
+    overlay = flow_overlay(spec, samples, title=f"{len(samples)} samples of {Path(ns.file).name}")
+    return _emit(ns.out, spec, overlay)
+
+
+def _check_out(out: str | None) -> None:
+    """Refuse an --out we cannot write before any work is done."""
+    if out and Path(out).suffix not in OUT_SUFFIXES:
+        raise ValueError(f"--out must end in .mmd or .svg, got {Path(out).name}")
+
+
+def _emit(out: str | None, spec: MachineSpec, overlay: Overlay) -> int:
+    if out:
+        print(f"wrote {write_drawing(out, spec, overlay)}")
+    else:  # the mermaid follows the printed report
+        print()
+        print(machine_mermaid(spec, overlay), end="")
+    return 0

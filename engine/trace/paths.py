@@ -1,0 +1,270 @@
+"""The paths recorded samples took through the machine: edges, counts, a timeline, a batch table.
+
+Some triggers have several edges between the same two states (four `check` edges into
+TRUNCATED, two `reply` edges into TOOL_CALL); the guard each sample recorded beside its
+trace (`metadata["fsm"]["guards"]`) names the one taken. A step without a recorded guard
+counts for every candidate, marked "?".
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from engine.machine.table import GENERATE, TERMINALS, TRIM, Edge, MachineSpec
+from engine.trace.samples_file import final_state, fsm_trace, metadata, status_name
+
+EdgeKey = tuple[str, str, str]  # (source, label, dest): how a drawing names an edge
+
+
+def edge_key(edge: Edge) -> EdgeKey:
+    """The drawing's name of a spec edge."""
+    return (edge.source, edge.label, edge.dest)
+
+
+@attrs.frozen
+class Step:
+    """One recorded edge and the spec edges it can be (one when resolved, none if unknown)."""
+
+    number: int
+    source: str
+    trigger: str
+    dest: str
+    edges: tuple[Edge, ...]
+    turn: dict[str, Any] | None = None  # the turn record of the reply this step belongs to
+
+    @property
+    def keys(self) -> list[EdgeKey]:
+        """The drawing keys this step counts for; an edge the spec lacks keeps its trigger."""
+        return [edge_key(e) for e in self.edges] or [(self.source, self.trigger, self.dest)]
+
+    @property
+    def certain(self) -> bool:
+        return len(self.edges) == 1
+
+
+@attrs.frozen
+class Overlay:
+    """What a drawing highlights: edges with a note (e.g. "×3"), states with an optional note."""
+
+    edges: dict[EdgeKey, str] = attrs.field(factory=dict)
+    states: dict[str, str] = attrs.field(factory=dict)
+    title: str = ""
+
+
+def _narrow(cands: list[Edge], guard: str) -> list[Edge]:
+    """The edge among same-(source, trigger, dest) candidates whose guard the sample recorded."""
+    if len(cands) <= 1 or not guard:
+        return cands
+    return [e for e in cands if e.guard is not None and e.guard.__name__ == guard] or cands
+
+
+def resolve_path(spec: MachineSpec, sample: dict[str, Any]) -> list[Step]:
+    """The sample's trace as steps, each matched to the spec edge(s) it can be."""
+    meta = metadata(sample)
+    turns = meta.get("turns") or []
+    by_triple: dict[tuple[str, str, str], list[Edge]] = defaultdict(list)
+    for e in spec.edges:
+        by_triple[(e.source, e.trigger, e.dest)].append(e)
+    trace = fsm_trace(sample)
+    # Every reply edge logs one turn, and a resumed sample's log starts with the turns its
+    # checkpoint restored: the trace's replies are the log's last entries.
+    current = len(turns) - sum(1 for item in trace if item[0] == GENERATE and item[1] == "reply") - 1
+    steps: list[Step] = []
+    for n, item in enumerate(trace, 1):
+        source, trigger, dest = item[:3]
+        if source == GENERATE and trigger == "reply":
+            current += 1
+        turn = turns[current] if 0 <= current < len(turns) else None
+        cands = _narrow(by_triple.get((source, trigger, dest), []), item[3])
+        steps.append(Step(n, source, trigger, dest, tuple(cands), turn))
+    return steps
+
+
+def _note(certain: int, unsure: int) -> str:
+    """An edge's note: "×3", or "×2+1?" when one more step may have been this edge or a sibling."""
+    if not certain:
+        return f"×{unsure}?"
+    return f"×{certain}+{unsure}?" if unsure else f"×{certain}"
+
+
+def trace_overlay(spec: MachineSpec, sample: dict[str, Any], title: str = "") -> Overlay:
+    """One sample's path: each edge it took with "×n", each state it was in."""
+    sure: Counter[EdgeKey] = Counter()
+    unsure: Counter[EdgeKey] = Counter()
+    states: dict[str, str] = {}
+    for step in resolve_path(spec, sample):
+        for key in step.keys:
+            (sure if step.certain or not step.edges else unsure)[key] += 1
+        states.setdefault(step.source, "")
+        states.setdefault(step.dest, "")
+    states.setdefault(final_state(sample), "")  # a sample with no trace still ended somewhere
+    keys = list(dict.fromkeys([*sure, *unsure]))
+    return Overlay({k: _note(sure[k], unsure[k]) for k in keys}, states, title)
+
+
+@attrs.frozen
+class Tally:
+    """A batch's edges: times taken, samples that took them, and those some step only may be."""
+
+    times: Counter[EdgeKey]
+    takers: Counter[EdgeKey]
+    unsure: frozenset[EdgeKey]
+
+
+def tally(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Tally:
+    """Count every edge over the samples (an unresolved step counts for each candidate)."""
+    spec = spec or _default_spec(samples)
+    times: Counter[EdgeKey] = Counter()
+    takers: Counter[EdgeKey] = Counter()
+    unsure: set[EdgeKey] = set()
+    for sample in samples:
+        steps = resolve_path(spec, sample)
+        times.update(key for step in steps for key in step.keys)
+        takers.update({key for step in steps for key in step.keys})
+        unsure.update(key for step in steps if len(step.edges) > 1 for key in step.keys)
+    return Tally(times, takers, frozenset(unsure))
+
+
+def edge_counts(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Counter[EdgeKey]:
+    """How many times each edge was taken over all samples."""
+    return tally(samples, spec).times
+
+
+def sample_counts(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Counter[EdgeKey]:
+    """How many samples took each edge at least once."""
+    return tally(samples, spec).takers
+
+
+def terminal_counts(samples: Iterable[dict[str, Any]]) -> Counter[str]:
+    """How many samples ended in each state."""
+    return Counter(final_state(s) for s in samples)
+
+
+def reason_counts(samples: Iterable[dict[str, Any]]) -> Counter[tuple[str, str]]:
+    """How many samples ended in each (state, termination reason)."""
+    return Counter((final_state(s), str(metadata(s).get("termination_reason"))) for s in samples)
+
+
+def flow_overlay(spec: MachineSpec, samples: Sequence[dict[str, Any]], title: str = "") -> Overlay:
+    """A batch: each edge with "n samples, ×times", each terminal with how many ended there."""
+    t = tally(samples, spec)
+    order = {edge_key(e): i for i, e in enumerate(spec.edges)}
+    keys = sorted(t.times, key=lambda k: (order.get(k, len(order)), k))
+    edges = {k: f"{_samples(t.takers[k])}, ×{t.times[k]}" + ("?" if k in t.unsure else "") for k in keys}
+    states = {state: "" for key in keys for state in (key[0], key[2])}
+    for state, n in terminal_counts(samples).items():
+        states[state] = f"{_samples(n)} ended here"
+    return Overlay(edges, states, title)
+
+
+def _samples(n: int) -> str:
+    return f"{n} sample" + ("" if n == 1 else "s")
+
+
+def _default_spec(samples: Sequence[dict[str, Any]]) -> MachineSpec:
+    from engine.trace.diagrams import spec_for_samples  # diagrams imports this module
+
+    return spec_for_samples(samples)
+
+
+def _step_details(step: Step, sample: dict[str, Any], last: bool) -> str:
+    turn, meta = step.turn or {}, metadata(sample)
+    parts: list[str] = []
+    if step.source == GENERATE and step.trigger == "reply" and turn:
+        parts.append(f"turn {turn.get('turn')}: {turn.get('tokens')} tokens (max {turn.get('max_new_tokens')}), finish {turn.get('finish')}")
+        if turn.get("problem"):
+            parts.append(f"problem {turn['problem']}")
+        if turn.get("weight_version") not in (None, "default"):
+            parts.append(f"weights {turn['weight_version']}")
+    elif step.trigger == "resume":
+        replies = sum(1 for item in fsm_trace(sample) if item[0] == GENERATE and item[1] == "reply")
+        restored = len(meta.get("turns") or []) - replies
+        parts.append(f"{restored} turns restored from the checkpoint" if step.dest == "RESUME" else "checkpoint rejected: restart from the prompt")
+    elif step.trigger == "dispatch":
+        parts.append(f"calls to {step.dest.removeprefix('TOOL_').lower()}")
+    elif step.trigger == "observe" and turn:
+        names = turn.get("tools") or []
+        parts.append(f"observation {turn.get('observation_tokens')} tokens from {', '.join(names) or 'no call (a note)'}")
+    elif step.trigger == "trim" and turn:
+        parts.append(f"trimmed {turn.get('trimmed_tokens')} tokens")
+    if step.trigger in ("crashed", "cancelled", "request_failed", "request_rejected", "context_rejected") and meta.get("engine_error"):
+        parts.append(f"error {_short(meta['engine_error'])}")
+    if step.trigger == "invariant_violated" and meta.get("invariant_violation"):
+        parts.append(f"violation {_short(meta['invariant_violation'])}")
+    if not step.edges:
+        parts.append("not an edge of this machine")
+    if last and step.dest in TERMINALS:
+        parts.append(f"reason {meta.get('termination_reason')}")
+    return "; ".join(parts)
+
+
+def _short(text: Any, limit: int = 90) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _step_label(step: Step) -> str:
+    if len(step.edges) == 1:
+        return step.edges[0].label
+    guards = [e.guard.__name__ for e in step.edges if e.guard is not None]
+    return f"{step.trigger} [{' | '.join(guards)}?]" if guards else step.trigger
+
+
+def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: int | None = None) -> str:
+    """A text report of one sample: status, reason, totals, then one row per edge taken."""
+    spec = spec or _default_spec([sample])
+    meta = metadata(sample)
+    stats = meta.get("tool_stats") or {}
+    name = f"sample #{position}" if position is not None else "sample"
+    if sample.get("index") is not None:
+        name += f" (index {sample['index']})"
+    head = [
+        f"{name}: status {status_name(sample)}, termination reason {meta.get('termination_reason')}",
+        f"turns {len(meta.get('turns') or [])}, tool calls {stats.get('calls', 0)}, tool errors {stats.get('errors') or 'none'}, "
+        f"generation {float(meta.get('generation_time') or 0):.3f} s, tools {float(meta.get('tool_time') or 0):.3f} s",
+    ]
+    if meta.get("engine_error"):
+        head.append(f"engine error: {_short(meta['engine_error'], 200)}")
+    steps = resolve_path(spec, sample)
+    if not steps:
+        return "\n".join([*head, "no edges recorded"])
+    rows = [(str(s.number), f"{s.source} -> {s.dest}", _step_label(s), _step_details(s, sample, s is steps[-1])) for s in steps]
+    rows.insert(0, ("step", "edge", "trigger [guard]", "details"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:>{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip() for r in rows]
+    return "\n".join([*head, "", *lines])
+
+
+def flow_table(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> str:
+    """A batch in text: per edge samples and times (machine order), per terminal and per reason."""
+    spec = spec or _default_spec(samples)
+    t = tally(samples, spec)
+    times, takers = t.times, t.takers
+    order = [edge_key(e) for e in spec.edges]
+    keys = [k for k in order if k in times] + sorted(k for k in times if k not in order)
+    rows = [("edge", "trigger [guard]", "samples", "times")]
+    rows += [(f"{k[0]} -> {k[2]}", k[1], str(takers[k]), f"{times[k]}?" if k in t.unsure else str(times[k])) for k in keys]
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"{len(samples)} samples", ""]
+    lines += [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}" for r in rows]
+    lines.append(f"({sum(1 for k in order if k not in times)} of {len(order)} edges of the machine not taken)")
+    if t.unsure:
+        lines.append("(?: some steps could be this edge or another of the same trigger; counted for each)")
+    ends = terminal_counts(samples)
+    reasons = reason_counts(samples)
+    w0 = max([len("terminal"), *(len(s) for s in ends)])
+    lines += ["", f"{'terminal':<{w0}}  samples"]
+    lines += [f"{s:<{w0}}  {ends[s]:>7}" for s in sorted(ends, key=lambda s: (_rank(spec, s), s))]
+    w1 = max([len("termination reason"), *(len(r) for _, r in reasons)])
+    lines += ["", f"{'termination reason':<{w1}}  {'terminal':<{w0}}  samples"]
+    for (state, reason), n in sorted(reasons.items(), key=lambda kv: (_rank(spec, kv[0][0]), -kv[1], kv[0][1])):
+        lines.append(f"{reason:<{w1}}  {state:<{w0}}  {n:>7}")
+    return "\n".join(lines)
+
+
+def _rank(spec: MachineSpec, state: str) -> int:
+    return spec.states.index(state) if state in spec.states else len(spec.states)

@@ -1,0 +1,136 @@
+"""Reading recorded samples back: this project's rollout JSONL, or slime's debug rollout dump.
+
+Both hold slime `Sample`s as plain dicts. slime's `--save-debug-rollout-data` writes
+`torch.save({"rollout_id": id, "samples": [sample.to_dict(), ...]})`
+(slime/observability/rollout_data_utils.py), where `to_dict` stores `status` as the
+enum's value ("completed"). The trace tools read only `index`, `status` and what the engine
+recorded in `metadata["fsm"]` (dumps written before that namespace keep it flat in `metadata`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+# torch.save writes a zip archive since torch 1.6, a bare pickle before.
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def load_samples(path: str | Path) -> list[dict[str, Any]]:
+    """Every sample of a rollout JSONL or a `torch.save` dump, as dicts, in file order."""
+    path = Path(path)
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head.startswith(_TORCH_MAGIC):
+        return _from_torch(path)
+    return _from_json(path)
+
+
+def _from_torch(path: Path) -> list[dict[str, Any]]:
+    import torch  # lazily: the JSONL path and `diagram` never need it
+
+    data = torch.load(path, weights_only=False)  # slime's dumps hold plain Python objects
+    items = data.get("samples", []) if isinstance(data, dict) else data
+    return [_as_dict(item) for item in _flatten(items)]
+
+
+def _from_json(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError:
+        rows = [json.loads(text)]  # one pretty-printed JSON document instead of JSONL
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        if isinstance(row, dict) and isinstance(row.get("samples"), list) and "metadata" not in row:
+            out.extend(_as_dict(s) for s in _flatten(row["samples"]))
+        else:
+            out.extend(_as_dict(s) for s in _flatten([row]))
+    return out
+
+
+def _flatten(items: Any) -> list[Any]:
+    """Groups of samples (lists of lists, as slime's rollouts return them) become one list."""
+    flat: list[Any] = []
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            flat.extend(_flatten(item))
+        else:
+            flat.append(item)
+    return flat
+
+
+def _as_dict(item: Any) -> dict[str, Any]:
+    if isinstance(item, dict):
+        return item
+    if hasattr(item, "to_dict"):  # a slime Sample object
+        return dict(item.to_dict())
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return {f.name: getattr(item, f.name) for f in dataclasses.fields(item)}
+    if hasattr(item, "__dict__"):
+        return dict(vars(item))
+    raise ValueError(f"not a sample: {type(item).__name__}")
+
+
+def select_sample(samples: Sequence[dict[str, Any]], key: str) -> tuple[int, dict[str, Any]]:
+    """The sample `key` names, and its position.
+
+    `"3"` is the fourth sample in the file (`"-1"` the last); `"index=7"` is the sample
+    whose `index` field is 7. A number past the end of the file is tried as an `index`.
+    """
+    key = key.strip()
+    by_field = key.startswith("index=")
+    text = key.removeprefix("index=")
+    try:
+        number = int(text)
+    except ValueError:
+        raise ValueError(f"--sample must be a number or index=N, got {key!r}") from None
+    if not by_field and -len(samples) <= number < len(samples):
+        pos = number % len(samples)
+        return pos, samples[pos]
+    for pos, sample in enumerate(samples):
+        if sample.get("index") == number:
+            return pos, sample
+    where = "with index field" if by_field else "at position (or with index field)"
+    raise ValueError(f"no sample {where} {number}: the file holds {len(samples)} samples")
+
+
+def metadata(sample: dict[str, Any]) -> dict[str, Any]:
+    """What the engine recorded on the sample: `metadata["fsm"]` ({} when missing)."""
+    meta = sample.get("metadata")
+    if not isinstance(meta, dict):
+        return {}
+    fsm = meta.get("fsm")
+    if isinstance(fsm, dict):
+        return fsm
+    if "fsm_trace" in meta:  # an older dump: the same keys, flat, the path under fsm_ names
+        return {**meta, "trace": meta.get("fsm_trace"), "guards": meta.get("fsm_guards")}
+    return {}
+
+
+def fsm_trace(sample: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The recorded path: (source, trigger, dest, guard) per edge taken ("" for no guard)."""
+    meta = metadata(sample)
+    steps = meta.get("trace") or []
+    guards = list(meta.get("guards") or [])
+    guards += [""] * (len(steps) - len(guards))
+    return [(*(str(x) for x in step[:3]), str(guard or "")) for step, guard in zip(steps, guards)]
+
+
+def status_name(sample: dict[str, Any]) -> str:
+    """The status as a state name: "completed", "Status.COMPLETED" or the enum give "COMPLETED"."""
+    status = sample.get("status")
+    if isinstance(status, Enum):
+        status = status.value
+    text = str(status or "pending")
+    return text.rsplit(".", 1)[-1].upper()
+
+
+def final_state(sample: dict[str, Any]) -> str:
+    """Where the sample ended: the last edge's dest, or its status when it has no trace."""
+    trace = fsm_trace(sample)
+    return trace[-1][2] if trace else status_name(sample)

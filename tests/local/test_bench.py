@@ -1,0 +1,50 @@
+"""Smoke test of `python -m engine bench`: tiny sizes, result structure, never a timing assertion."""
+
+from __future__ import annotations
+
+import asyncio
+
+import attrs
+
+import tools
+from engine.local.bench.common import Sizes, instant_interpreter
+from engine.local.bench.fsm import _rollout, edge_index, fsm_cycle, fsm_figures, plain_cycle
+from engine.local.bench.memory import memory_figure
+from engine.local.bench.rollout import measure_pair
+from engine.local.bench.server import CannedServer, scenario
+from engine.machine.table import get_machine
+from engine.profiles.tokenizer import load_tokenizer
+
+TINY = attrs.evolve(Sizes.small(), samples=6, turns=3, concurrency=4, repeats=1, fsm_cycles=20, fsm_setups=50,
+                    add_models=20, memory_samples=2, memory_tokens=2048)
+
+
+def test_bench_smoke() -> None:
+    original = tools.get("code_interpreter")
+
+    # Figure 2: the machine and its plain-Python comparison walk the same edges.
+    machine = get_machine()
+    fsm_r, plain_r = _rollout(), _rollout()
+    fsm_cycle(machine, fsm_r, 2)
+    plain_cycle(edge_index(machine), plain_r, 2)
+    assert fsm_r.trace == plain_r.trace and len(fsm_r.trace) == 6
+    assert fsm_r.traj.response_ids == plain_r.traj.response_ids
+    assert [f.key for f in fsm_figures(TINY)] == ["fsm_setup", "fsm_transition"]
+
+    # Figure 5: one row, bytes per sample measured, the list-size floor computed.
+    memory = memory_figure(TINY)
+    assert memory.value > 0 and memory.floor and memory.passed in (True, False)
+
+    # Figure 1's machinery: every engine sample COMPLETED in exactly T turns; the floor sent all requests.
+    tok = load_tokenizer()
+    with CannedServer({"tool": scenario(tok, TINY.turns, "print(1)")}) as server, instant_interpreter():
+        pair = asyncio.run(measure_pair(server, tok, scenario="tool", samples=TINY.samples, turns=TINY.turns,
+                                        concurrency=TINY.concurrency, connections=TINY.concurrency, repeats=1,
+                                        tick=True, transport=True))
+    assert pair.requests_per_sample == TINY.turns
+    (engine,), (floor,), (reference,) = pair.engine, pair.floor, pair.aiohttp
+    assert engine.statuses == {"COMPLETED": TINY.samples} and engine.turns == {TINY.turns: TINY.samples}
+    assert engine.tool_errors == 0
+    assert floor.errors == 0 and reference.errors == 0 and floor.samples == TINY.samples
+    assert engine.wall > 0 and engine.cpu > 0 and engine.max_stall > 0
+    assert tools.get("code_interpreter") is original  # the instant tool was put back

@@ -1,0 +1,313 @@
+"""Edge by edge: every guard of the table, and every fault edge from every state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import respx
+
+import tools
+from engine.machine import actions as a
+from engine.config import EngineConfig, RetryPolicy
+from engine.loop.driver import drive, new_rollout
+from engine.machine.table import TERMINALS, Edge, MachineSpec, RolloutMachine, get_machine
+from engine.profiles.retool import INVALID_ACTION, render_retool_prompt
+from engine.machine.rollout import Rollout
+from engine.loop.runtime import Runtime
+from engine.slime.sample_io import read_checkpoint, write_sample
+from tests.conftest import run
+from tests.support.helpers import IM_END, SAMPLING, URL, ScriptedServer, encode, reply_body, tok, turn
+
+CODE = "<code>\nprint(1)\n</code>"
+ANSWER = "Answer: \\boxed{1}"
+PROMPT = "What is 1?"
+
+
+def prompt_len() -> int:
+    return len(encode(render_retool_prompt(PROMPT, [tools.get(n).schema() for n in tools.names()])))
+
+
+def cfg(**kw: Any) -> EngineConfig:
+    base = dict(server_url=URL, max_context_len=4096, retry=RetryPolicy(max_attempts=2, base_delay=0.0, deadline=5.0))
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+async def _drive(script: list, c: EngineConfig, params: dict, machine: RolloutMachine | None, server: ScriptedServer,
+                 sample: Any = None) -> Rollout:
+    with respx.mock(assert_all_called=False) as mock:
+        mock.post(URL + "/generate").mock(side_effect=server)
+        rt = Runtime.create(c, tokenizer=tok())
+        r = new_rollout(rt, PROMPT, params, saved=read_checkpoint(sample) if sample is not None else None)
+        try:
+            await drive(rt, r, machine)
+        finally:
+            await rt.aclose()
+    return r
+
+
+def walk(script: list, *, params: dict | None = None, machine: RolloutMachine | None = None, sample: Any = None,
+         **kw: Any) -> tuple[Rollout, ScriptedServer]:
+    server = ScriptedServer(script)
+    r = run(_drive(script, cfg(**kw), dict(params or SAMPLING), machine, server, sample))
+    r.traj.check(full=True, max_total_length=r.limit)
+    return r, server
+
+
+def path(r: Rollout) -> list[tuple[str, str, str]]:
+    return [tuple(e) for e in r.trace]
+
+
+# -- the guards ------------------------------------------------------------------------
+def test_length_finish_ends_truncated():
+    r, _ = walk([turn("1 2 3", finish="length")])
+    assert (r.state, r.reason) == ("TRUNCATED", "finished_length")
+
+
+def test_tool_call_budget_exhausted(fake_interpreter):
+    r, server = walk([turn(CODE), turn(CODE)], max_tool_calls=1)
+    assert (r.state, r.reason) == ("TRUNCATED", "tool_calls_exhausted")
+    assert len(fake_interpreter.codes) == 1 and len(server.requests) == 2
+
+
+def test_invalid_action_gets_the_retool_note_then_continues(fake_interpreter):
+    r, server = walk([turn("I am not sure."), turn(ANSWER)])
+    assert ("GENERATE", "reply", "TOOL_CALL") in path(r)
+    assert ("TOOL_CALL", "observe", "BUDGET_CHECK") in path(r)
+    assert (r.state, r.reason) == ("COMPLETED", "answered")
+    assert INVALID_ACTION in r.text
+    assert fake_interpreter.codes == []
+
+
+def test_max_turns(fake_interpreter):
+    r, server = walk([turn(CODE)], max_turns=1)
+    assert (r.state, r.reason) == ("TRUNCATED", "max_turns_reached")
+    assert path(r)[-1] == ("BUDGET_CHECK", "check", "TRUNCATED")
+
+
+def test_zero_max_new_tokens_sends_nothing():
+    r, server = walk([], params={**SAMPLING, "max_new_tokens": 0})
+    assert (r.state, r.reason) == ("TRUNCATED", "no_new_tokens_asked")
+    assert server.requests == []
+
+
+def test_server_ignoring_the_clamp_is_trimmed():
+    budget = prompt_len() + 5
+    r, server = walk([turn("one two three four five six seven eight nine ten")], max_context_len=budget)
+    assert server.requests[0]["sampling_params"]["max_new_tokens"] == 5
+    assert (r.state, r.reason) == ("TRUNCATED", "reply_over_budget")
+    assert path(r)[-2:] == [("GENERATE", "reply", "TRIM"), ("TRIM", "trim", "TRUNCATED")]
+    assert r.traj.total_length == budget
+
+
+def test_observation_that_fits_exactly_is_kept_whole(fake_interpreter):
+    """Exact fit (a peer dropped such turns): the observation stays, then the budget is full."""
+    first = encode(CODE) + [IM_END]
+    obs = encode("\n\n<interpreter>\nOutput:\nprint(1)\n</interpreter>\n\n")
+    budget = prompt_len() + len(first) + len(obs)
+    r, server = walk([turn(CODE)], max_context_len=budget)
+    assert ("TOOL_CALL", "observe", "BUDGET_CHECK") in path(r)
+    assert (r.state, r.reason) == ("TRUNCATED", "context_full")
+    assert r.traj.response_ids.tolist() == first + obs
+    assert len(server.requests) == 1
+
+
+def test_malformed_and_unknown_calls_are_error_observations(fake_interpreter):
+    bad_json = '<tool_call>{"name": "code_interpreter", "arguments": {"code": </tool_call>'
+    unknown = '<tool_call>{"name": "web_search", "arguments": {"q": "x"}}</tool_call>'
+    bad_args = '<tool_call>{"name": "code_interpreter", "arguments": {"code": ["print(1)"]}}</tool_call>'
+    r, _ = walk([turn(bad_json), turn(unknown), turn(bad_args), turn(ANSWER)])
+    assert r.state == "COMPLETED"
+    assert r.tool_stats["errors"] == {"malformed_call": 1, "unknown_tool": 1, "bad_arguments": 1}
+    assert "not valid JSON" in r.text and "unknown tool 'web_search'" in r.text and "must be of type string" in r.text
+    assert fake_interpreter.codes == []
+
+
+def test_sample_can_restrict_its_tools(fake_interpreter):
+    server = ScriptedServer([turn(CODE), turn(ANSWER)])
+
+    async def go() -> Rollout:
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=server)
+            rt = Runtime.create(cfg(), tokenizer=tok())
+            r = new_rollout(rt, PROMPT, SAMPLING, tools_requested=[])
+            await drive(rt, r)
+            await rt.aclose()
+            return r
+
+    r = run(go())
+    assert r.tool_stats["errors"] == {"unknown_tool": 1}
+    assert '"name": "code_interpreter"' not in tok().decode(r.traj.prompt_ids.tolist())
+
+
+# -- fault edges from every state --------------------------------------------------------
+def tool_call_turn(name: str) -> str:
+    schema = tools.get(name).schema()["function"]["parameters"]
+    args = {p: "print(1)" for p in schema.get("required", [])}
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
+
+
+def resumable_sample() -> Any:
+    """A sample a first attempt left ABORTED with a checkpoint (partial rollout)."""
+    from engine.local.sample import Sample
+
+    sample = Sample(prompt=PROMPT)
+    aborted = httpx.Response(200, json=reply_body(encode("So"), finish="abort"))
+    r, _ = walk([turn(CODE), aborted], sample=sample, partial_rollout=True)
+    write_sample(sample, r)  # as engine.slime.run_sample does
+    return sample
+
+
+def script_through(state: str) -> tuple[list, dict[str, Any]]:
+    """A script whose rollout visits `state`, and the settings it needs."""
+    spec = get_machine().spec
+    if state == "RESUME":
+        return [turn(ANSWER)], {"partial_rollout": True, "sample": resumable_sample()}
+    if state in spec.tool_states:
+        return [turn(tool_call_turn(spec.tool_states[state])), turn(ANSWER)], {}
+    if state == "TRIM":
+        return [turn("many words " * 20)], {"max_context_len": prompt_len() + 5}
+    return [turn(CODE), turn(ANSWER)], {}
+
+
+NON_TERMINAL = [s for s in get_machine().spec.states if s not in TERMINALS]
+
+
+@pytest.mark.parametrize("state", NON_TERMINAL)
+def test_crash_in_any_state_ends_failed_with_the_error_recorded(state, fake_interpreter, monkeypatch):
+    import engine.loop.driver as d
+
+    async def boom(*args: Any) -> str:
+        raise RuntimeError(f"injected in {state}")
+
+    if state in get_machine().spec.tool_states:
+        monkeypatch.setattr(d, "run_tool_calls", boom)
+    else:
+        monkeypatch.setitem(d.STEPS, state, boom)
+    script, kw = script_through(state)
+    r, _ = walk(script, **kw)
+    assert f"injected in {state}" in r.error
+    if state == "TRIM":
+        # The response is still over budget: FAILED may not hand it on (I2), so it is discarded.
+        assert path(r)[-2:] == [("TRIM", "crashed", "FAILED"), ("FAILED", "invariant_violated", "ABORTED")]
+        assert r.violation.startswith("I2") and r.traj.response_length == 0
+    else:
+        assert path(r)[-1] == (state, "crashed", "FAILED")
+        assert (r.state, r.reason) == ("FAILED", "crashed")
+
+
+def test_bad_prompt_is_a_recorded_crash_not_an_exception():
+    async def go() -> Rollout:
+        rt = Runtime.create(cfg(), tokenizer=tok())
+        r = new_rollout(rt, [1, 2, 3], SAMPLING)  # not chat messages
+        await drive(rt, r)
+        await rt.aclose()
+        return r
+
+    r = run(go())
+    assert path(r) == [("RESET", "crashed", "FAILED")]
+    assert "AttributeError" in r.error
+
+
+AWAITING = ["GENERATE", *get_machine().spec.tool_states]
+
+
+@pytest.mark.parametrize("state", AWAITING)
+def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_interpreter):
+    never = asyncio.Event()
+
+    async def hang_generate(request: httpx.Request) -> httpx.Response:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    class HangingTool(tools.Tool):
+        parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
+
+        async def execute(self, state: Any, **arguments: Any) -> str:
+            await never.wait()
+            return ""
+
+    spec = get_machine().spec
+    originals = {}
+    if state in spec.tool_states:
+        name = spec.tool_states[state]
+        originals[name] = tools.get(name)
+        hanging = HangingTool()
+        hanging.name = name  # type: ignore[misc]
+        tools.register(hanging, replace=True)
+        script: list = [turn(tool_call_turn(name))]
+    else:
+        script = [hang_generate]
+
+    async def go() -> Rollout:
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=ScriptedServer(script))
+            rt = Runtime.create(cfg(), tokenizer=tok())
+            r = new_rollout(rt, PROMPT, SAMPLING)
+            task = asyncio.create_task(drive(rt, r))
+            while r.state != state:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await rt.aclose()
+            return r
+
+    try:
+        r = run(go())
+    finally:
+        for name, tool in originals.items():
+            tools.register(tool, replace=True)
+    assert path(r)[-1] == (state, "cancelled", "ABORTED")
+    assert r.reason == "cancelled"
+    r.traj.check(full=True)
+
+
+def corrupting_machine(target: str) -> RolloutMachine:
+    """The real table, except that edges into `target` also break I1 on the way."""
+
+    def corrupt(r: Rollout) -> None:
+        r.traj.logprobs.append(-1.0)
+
+    spec = MachineSpec.from_registry()
+    edges = tuple(
+        attrs.evolve(e, action=(*e.actions, corrupt)) if e.dest == target and e.trigger != "invariant_violated" else e
+        for e in spec.edges
+    )
+    return RolloutMachine(attrs.evolve(spec, edges=edges))
+
+
+VIOLATION_SOURCES = [s for s in get_machine().spec.states if s not in ("RESET", "ABORTED")]
+
+
+@pytest.mark.parametrize("state", VIOLATION_SOURCES)
+def test_invariant_violation_in_any_state_ends_aborted_with_a_clean_trajectory(state, fake_interpreter):
+    script, kw = {
+        "COMPLETED": ([turn(ANSWER)], {}),
+        "TRUNCATED": ([turn("1 2", finish="length")], {}),
+        "FAILED": ([httpx.Response(400, json={"error": "bad sampling param"})], {}),
+    }.get(state) or script_through(state)
+    r, _ = walk(script, machine=corrupting_machine(state), **kw)
+    assert (state, "invariant_violated", "ABORTED") in path(r)
+    assert (r.state, r.reason) == ("ABORTED", "invariant_violated")
+    assert r.violation.startswith("I1")
+    assert r.traj.response_length == 0  # nothing untrusted is handed on
+    assert r.text == ""
+
+
+def test_stateful_tool_keeps_variables_across_turns_of_one_trajectory():
+    """The real python_session tool, through the engine: its own state, created and released once."""
+    def session_call(code: str) -> str:
+        return f"<tool_call>{json.dumps({'name': 'python_session', 'arguments': {'code': code}})}</tool_call>"
+
+    r, _ = walk([turn(session_call("x = 20")), turn(session_call("print(x + 22)")), turn(ANSWER)])
+    assert r.state == "COMPLETED"
+    assert ("TOOL_PYTHON_SESSION", "tool_done", "TOOL_CALL") in path(r)
+    assert "\n42\n" in r.text
+    assert r.tool_states == {}  # released at the end

@@ -1,0 +1,147 @@
+"""The Trajectory keeps every per-token array aligned; check() catches what it must."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from engine.loop.text import IncrementalText
+from engine.machine.trajectory import InvariantViolation, Trajectory
+from tests.support.helpers import encode, tok
+
+
+def make() -> Trajectory:
+    t = Trajectory()
+    t.reset([1, 2, 3])
+    t.append_model_turn([10, 11], [-0.5, -0.25])
+    t.append_observation([20, 21, 22])
+    t.append_model_turn([12], [-1.0])
+    return t
+
+
+def test_appends_keep_arrays_aligned_with_masks_and_zero_logprobs():
+    t = make()
+    assert t.response_ids.tolist() == [10, 11, 20, 21, 22, 12]
+    assert t.logprobs.tolist() == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+    assert t.loss_mask.tolist() == [1, 1, 0, 0, 0, 1]
+    assert t.input_ids() == [1, 2, 3, 10, 11, 20, 21, 22, 12]
+    assert t.total_length == 9
+    t.check(full=True, max_total_length=9)
+
+
+def test_mismatched_turn_is_refused_and_changes_nothing():
+    t = make()
+    with pytest.raises(ValueError):
+        t.append_model_turn([1, 2], [-0.1])
+    assert t.response_length == 6
+    t.check(full=True)
+
+
+def test_trim_cuts_every_array_and_segment_together():
+    t = make()
+    assert t.trim(3) == 3
+    assert t.response_ids.tolist() == [10, 11, 20]
+    assert t.logprobs.tolist() == [-0.5, -0.25, 0.0]
+    assert t.loss_mask.tolist() == [1, 1, 0]
+    assert [(s.kind, s.start, s.end) for s in t.segments] == [("model", 0, 2), ("observation", 2, 3)]
+    t.check(full=True)
+    assert t.trim(10) == 0
+
+
+def test_trim_inside_a_model_turn_keeps_its_fingerprint_valid():
+    t = Trajectory()
+    t.reset([1])
+    t.append_model_turn([5, 6, 7], [-0.1, -0.2, -0.3])
+    t.trim(2)
+    t.check(full=True)
+    assert t.logprobs.tolist() == [-0.1, -0.2]
+
+
+def test_reset_forgets_everything():
+    t = make()
+    t.append_model_turn([13], [-0.5], top_p=([7, 8], [0, 2]))
+    t.reset([4])
+    assert (t.prompt_ids.tolist(), t.response_length, t.segments, t.top_p_ids, t.top_p_offsets) == ([4], 0, [], None, None)
+    t.check(full=True)
+
+
+def test_top_p_replay_is_padded_for_observations_and_trimmed_with_the_rest():
+    t = Trajectory()
+    t.reset([1])
+    t.append_model_turn([5], [-0.1])  # a turn before replay started: empty span
+    t.append_model_turn([6, 7], [-0.2, -0.3], top_p=([60, 61, 70], [0, 2, 3]))
+    t.append_observation([8, 9])
+    assert t.top_p_offsets.tolist() == [0, 0, 2, 3, 3, 3]
+    assert t.top_p_ids.tolist() == [60, 61, 70]
+    t.check(full=True)
+    t.trim(2)
+    assert t.top_p_offsets.tolist() == [0, 0, 2]
+    assert t.top_p_ids.tolist() == [60, 61]
+    t.check(full=True)
+
+
+@pytest.mark.parametrize(
+    "corrupt, invariant",
+    [
+        (lambda t: t.logprobs.append(-1.0), "I1"),
+        (lambda t: t.loss_mask.pop(), "I1"),
+        (lambda t: t.response_ids.append(5), "I1"),
+    ],
+)
+def test_cheap_check_catches_length_desync(corrupt, invariant):
+    t = make()
+    corrupt(t)
+    with pytest.raises(InvariantViolation) as err:
+        t.check()
+    assert err.value.invariant == invariant
+
+
+def test_full_check_catches_changed_tokens_and_masks():
+    t = make()
+    t.response_ids[0] = 99  # not what the server sent
+    with pytest.raises(InvariantViolation, match="I4"):
+        t.check(full=True)
+    t = make()
+    t.loss_mask[3] = 1  # an observation token marked trainable
+    with pytest.raises(InvariantViolation, match="I4"):
+        t.check(full=True)
+    t = make()
+    t.logprobs[2] = -0.1  # an observation token with a logprob
+    with pytest.raises(InvariantViolation, match="I4"):
+        t.check(full=True)
+
+
+def test_budget_and_text_checks():
+    t = make()
+    with pytest.raises(InvariantViolation, match="I2"):
+        t.check(max_total_length=8)
+    with pytest.raises(InvariantViolation, match="I3"):
+        t.check(full=True, decode=lambda ids: "x" * len(ids), text="wrong")
+
+
+def test_incremental_text_equals_full_decode_when_a_character_is_split_across_turns():
+    """🦩 is two byte-level tokens in Qwen3; each turn ends or starts with half of it."""
+    first = encode("A flamingo: ") + [123918]  # first half of 🦩
+    second = [102] + encode(" and 世界 done")  # second half, then more
+    assert tok().decode([123918, 102]) == "🦩"
+    t = Trajectory()
+    t.reset([1])
+    text = IncrementalText(lambda ids: tok().decode(ids))
+    t.append_model_turn(first, [-0.1] * len(first))
+    partial = text.sync(t.response_ids)
+    assert partial.endswith("\ufffd")  # the half character shows as U+FFFD for now
+    t.append_observation(second)
+    full = text.sync(t.response_ids)
+    assert full == tok().decode(t.response_ids.tolist()) == "A flamingo: 🦩 and 世界 done"
+    t.check(full=True, decode=lambda ids: tok().decode(ids), text=full)
+    t.trim(len(first))  # TRIM back into the split character: text rebuilt from ids
+    assert text.sync(t.response_ids) == tok().decode(first)
+
+
+def test_arrays_are_compact():
+    t = Trajectory()
+    t.reset([])
+    t.append_model_turn(list(range(1000, 33000)), [-0.5] * 32000)
+    assert isinstance(t.response_ids, array) and t.response_ids.itemsize == 4
+    assert t.response_ids.buffer_info()[1] * 4 + len(t.logprobs) * 8 + len(t.loss_mask) < 32000 * 14

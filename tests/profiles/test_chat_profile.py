@@ -1,0 +1,130 @@
+"""The chat profile with the real Qwen3 tokenizer: template deltas, several calls per turn."""
+
+from __future__ import annotations
+
+import json
+
+import respx
+
+from engine.config import EngineConfig, RetryPolicy
+from engine.loop.driver import drive, new_rollout
+from engine.profiles.chat import ChatProfile, full_render_ids, incremental_ids, parse_hermes_turn
+from engine.loop.runtime import Runtime
+from tests.conftest import run
+from tests.support.helpers import SAMPLING, URL, ScriptedServer, tok, turn
+
+
+def call(code: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "code_interpreter", "arguments": {"code": code}}) + "\n</tool_call>"
+
+
+def chat_rollout(script: list, **kw):
+    server = ScriptedServer(script)
+    cfg = EngineConfig(server_url=URL, profile="chat", max_context_len=8192, retry=RetryPolicy(max_attempts=1), **kw)
+
+    async def go():
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=server)
+            rt = Runtime.create(cfg, tokenizer=tok())
+            r = new_rollout(rt, [{"role": "user", "content": "What is 6*7?"}], SAMPLING)
+            await drive(rt, r)
+            await rt.aclose()
+            return rt, r
+
+    rt, r = run(go())
+    return rt.profile, r, server
+
+
+def test_qwen3_template_has_no_drift_for_plain_turns():
+    assert ChatProfile(tok()).drift is None
+
+
+def test_multi_turn_ids_equal_a_full_chat_template_render(fake_interpreter):
+    t1 = "I will use the tool.\n" + call("print(6*7)")
+    t2 = call("print(6*7+0)") + "\n" + call("print(42)")
+    profile, r, server = chat_rollout([turn(t1), turn(t2), turn("It is 42.\nAnswer: \\boxed{42}")])
+    assert r.state == "COMPLETED"
+    assert fake_interpreter.codes == ["print(6*7)", "print(6*7+0)", "print(42)"]
+    messages = [{"role": "user", "content": "What is 6*7?"}]
+    # the context the model saw for its last turn equals a full render of the same conversation
+    convo_turns = [(t1, ["Output:\nprint(6*7)"]), (t2, ["Output:\nprint(6*7+0)", "Output:\nprint(42)"])]
+    last_request = server.requests[-1]["input_ids"]
+    full = full_render_ids_with_tools(profile, messages, convo_turns)
+    assert last_request == full
+    assert incremental_ids_with_tools(profile, messages, convo_turns) == full
+    # template glue and tool output are mask 0; every model token is mask 1
+    for seg in r.traj.segments:
+        mask = set(r.traj.loss_mask[seg.start : seg.end])
+        assert mask == ({1} if seg.kind == "model" else {0})
+
+
+def full_render_ids_with_tools(profile, messages, turns):
+    import tools
+
+    schemas = [tools.get(n).schema() for n in tools.names()]
+    convo = list(messages)
+    for text, outs in turns:
+        convo.append({"role": "assistant", "content": text})
+        convo += [{"role": "tool", "content": o} for o in outs]
+    return profile.encode(profile.tokenizer.apply_chat_template(convo, tools=schemas, tokenize=False, add_generation_prompt=True))
+
+
+def incremental_ids_with_tools(profile, messages, turns):
+    import tools
+
+    schemas = [tools.get(n).schema() for n in tools.names()]
+    ids = profile.render_prompt(messages, schemas)
+    return ids + incremental_ids(profile, messages, turns)[len(profile.render_prompt(messages, [])) :]
+
+
+class HistoryRewritingTokenizer:
+    """The real tokenizer behind a template that drops <think> blocks from assistant turns."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __call__(self, *args, **kw):
+        return self._inner(*args, **kw)
+
+    def apply_chat_template(self, messages, **kw):
+        strip = lambda m: {**m, "content": m["content"].split("</think>")[-1].lstrip()} if m["role"] == "assistant" else m  # noqa: E731
+        return self._inner.apply_chat_template([strip(m) for m in messages], **kw)
+
+
+def test_drift_check_reports_a_template_that_rewrites_history():
+    profile = ChatProfile(HistoryRewritingTokenizer(tok()))
+    assert profile.drift is not None and "token" in profile.drift  # seen at start-up
+    messages = [{"role": "user", "content": "Q"}]
+    turns = [("<think>\nhmm\n</think>\n\n" + call("print(1)"), ["1"])]
+    ours, theirs = incremental_ids(profile, messages, turns), full_render_ids(profile, messages, turns)
+    assert ours != theirs and len(ours) > len(theirs)
+
+
+def test_surplus_calls_are_answered_with_an_error_not_dropped(fake_interpreter):
+    many = "\n".join(call(f"print({i})") for i in range(3))
+    profile, r, _ = chat_rollout([turn(many), turn("Done.")], max_calls_per_turn=2)
+    assert fake_interpreter.codes == ["print(0)", "print(1)"]
+    assert r.tool_stats["errors"] == {"surplus_call": 1}
+    assert r.text.count("<tool_response>") == 3
+    assert "too many tool calls in this turn" in r.text
+
+
+def test_turn_cut_by_a_stop_string_is_closed_by_the_template(fake_interpreter):
+    # no <|im_end|>: the turn stopped on "</tool_call>", so the delta opens with the end token
+    profile, r, _ = chat_rollout([turn(call("print(1)"), eos=False), turn("Done.")])
+    obs = r.traj.segments[1]
+    assert r.traj.response_ids[obs.start] == profile.eos_id
+    assert r.state == "COMPLETED"
+
+
+def test_hermes_parsing():
+    assert parse_hermes_turn("no calls here").action == "answer"
+    t = parse_hermes_turn(call("a") + call("b"))
+    assert [c.arguments["code"] for c in t.calls] == ["a", "b"]
+    bad = parse_hermes_turn("<tool_call>{oops</tool_call>")
+    assert bad.calls[0].error == "malformed_call"
+    unclosed = parse_hermes_turn('<tool_call>{"name": "x"')
+    assert unclosed.calls[0].error == "malformed_call"

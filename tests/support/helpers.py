@@ -1,0 +1,131 @@
+"""Shared test helpers: SGLang reply bodies, a scripted respx server, slime-like args."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+import tools
+from engine.profiles.tokenizer import load_tokenizer
+
+URL = "http://sglang.test:30000"
+IM_END = 151645
+
+
+def tok() -> Any:
+    return load_tokenizer(None)
+
+
+def encode(text: str) -> list[int]:
+    return list(tok()(text, add_special_tokens=False)["input_ids"])
+
+
+def fake_logprobs(ids: list[int], seed: int = 0) -> list[float]:
+    """Distinct, exact-in-binary negative logprobs so equality checks are meaningful."""
+    return [-((i * 7 + seed) % 97 + 1) / 64 for i, _ in enumerate(ids)]
+
+
+def reply_body(
+    ids: list[int],
+    *,
+    finish: str = "stop",
+    logprobs: list[float] | None = None,
+    weight_version: str = "default",
+    with_logprobs: bool = True,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A `/generate` 200 body as SGLang 0.5.x writes it."""
+    lps = fake_logprobs(ids, seed) if logprobs is None else logprobs
+    finish_reason: dict[str, Any] = {"type": finish}
+    if finish == "stop":
+        finish_reason["matched"] = ids[-1] if ids else IM_END
+    elif finish == "length":
+        finish_reason["length"] = len(ids)
+    else:
+        finish_reason.update({"message": "Aborted", "status_code": None, "err_type": None})
+    meta: dict[str, Any] = {
+        "id": "rid",
+        "finish_reason": finish_reason,
+        "prompt_tokens": 10,
+        "weight_version": weight_version,
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "e2e_latency": 0.01,
+    }
+    if with_logprobs:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [[lp, i, None] for lp, i in zip(lps, ids)]
+        meta["output_token_logprobs_length"] = len(ids)
+    return {"text": tok().decode(ids), "output_ids": list(ids), "meta_info": meta}
+
+
+def turn(text: str, *, finish: str = "stop", eos: bool = True, **kw: Any) -> httpx.Response:
+    """A reply whose tokens are `text` (plus <|im_end|> when it stopped on EOS)."""
+    ids = encode(text) + ([IM_END] if eos and finish == "stop" else [])
+    return httpx.Response(200, json=reply_body(ids, finish=finish, **kw))
+
+
+Scripted = httpx.Response | Exception | Callable[[dict[str, Any]], httpx.Response]
+
+
+class ScriptedServer:
+    """A respx side effect answering `/generate` from a script, recording every request."""
+
+    def __init__(self, script: list[Scripted], *, repeat_last: bool = False) -> None:
+        self.script = list(script)
+        self.repeat_last = repeat_last
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[httpx.Headers] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        payload = json.loads(request.content)
+        self.requests.append(payload)
+        self.headers.append(request.headers)
+        if not self.script:
+            raise AssertionError(f"unexpected request #{len(self.requests)}")
+        item = self.script[0] if self.repeat_last and len(self.script) == 1 else self.script.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        if callable(item) and not isinstance(item, httpx.Response):
+            return item(payload)
+        return item
+
+
+def make_args(**overrides: Any) -> argparse.Namespace:
+    """slime's args as a generate function sees them, pointed at the mocked server."""
+    base: dict[str, Any] = {
+        "sglang_router_ip": "sglang.test",
+        "sglang_router_port": 30000,
+        "rollout_max_context_len": 4096,
+        "hf_checkpoint": None,
+        "partial_rollout": False,
+        "sglang_server_concurrency": 64,
+        "engine_retry_attempts": 3,
+        "engine_retry_deadline": 5.0,
+        "engine_retry_base_delay": 0.01,
+    }
+    base.update(overrides)
+    return argparse.Namespace(**base)
+
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 256, "no_stop_trim": True, "skip_special_tokens": False}
+
+
+class FakeInterpreter(tools.Tool):
+    """Stands in for the sandbox where a test is about the engine, not the sandbox."""
+
+    name = "code_interpreter"
+    description = "A tool for executing Python code in a safe sandbox environment."
+    parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
+
+    def __init__(self, output: Callable[[str], str] | None = None) -> None:
+        self.output = output or (lambda code: f"Output:\n{code}")
+        self.codes: list[str] = []
+
+    async def execute(self, state: Any, **arguments: Any) -> str:
+        self.codes.append(arguments["code"])
+        return self.output(arguments["code"])
