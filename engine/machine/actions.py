@@ -62,8 +62,10 @@ def append_model_turn(r: Rollout) -> None:
 
 
 def record_unusable_reply(r: Rollout) -> None:
-    """A reply that cannot be trained on adds no token; its turn is still logged."""
+    """A reply that cannot be trained on adds no token; its turn is logged, its problem is the reason."""
     _log_turn(r, appended=False)
+    if r.reply is None or r.reply.problem:  # else the edge's guard names it (top_p_replay_dropped)
+        r.stop_because(r.reply.problem if r.reply is not None else "reply_malformed")
 
 
 def _log_turn(r: Rollout, appended: bool = True) -> None:

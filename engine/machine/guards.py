@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.machine.rollout import Rollout
-from engine.sglang.wire import LOGPROBS_MISMATCH, LOGPROBS_MISSING, MALFORMED
 
 Guard = Callable[[Rollout], bool]
 
@@ -67,23 +66,10 @@ def room_left(r: Rollout) -> bool:
 
 
 # -- GENERATE: reading the reply ------------------------------------------------------
-def _problem(r: Rollout) -> str | None:
-    return r.reply.problem if r.reply is not None else MALFORMED
-
-
-def reply_malformed(r: Rollout) -> bool:
-    """The reply has no meta_info or an unknown finish reason."""
-    return _problem(r) == MALFORMED
-
-
-def logprobs_missing(r: Rollout) -> bool:
-    """The server sent no `output_token_logprobs`: never re-tokenize text instead."""
-    return _problem(r) == LOGPROBS_MISSING
-
-
-def logprobs_mismatch(r: Rollout) -> bool:
-    """Logprobs and ids disagree in length or shape."""
-    return _problem(r) == LOGPROBS_MISMATCH
+def reply_unusable(r: Rollout) -> bool:
+    """Nothing of the reply can be trained on: no meta_info, no or mismatched logprobs, ids or
+    values out of range... The reply's own problem name is recorded as the reason."""
+    return r.reply is None or r.reply.problem is not None
 
 
 def top_p_replay_dropped(r: Rollout) -> bool:

@@ -16,10 +16,11 @@ import attrs
 
 FinishType = Literal["stop", "length", "abort"]
 
-# Problems that make a 200 reply unusable for training; each ends the sample ABORTED.
+# Problems that make a 200 reply unusable for training. Each is also the termination reason of
+# an attempt that ends on it (the machine's `reply_unusable` edge), so there is one name per fact.
 LOGPROBS_MISSING = "logprobs_missing"
 LOGPROBS_MISMATCH = "logprobs_mismatch"
-MALFORMED = "malformed_reply"
+MALFORMED = "reply_malformed"
 
 
 @attrs.frozen

@@ -120,7 +120,7 @@ def test_parse_reply_variants():
     zero["meta_info"]["output_token_logprobs"] = [[-0.1, 7, None]]  # max_new_tokens=0 quirk
     assert parse_reply(zero).problem == "logprobs_mismatch"
     assert parse_reply([reply_body([1])]).ids == [1]  # batch of one
-    assert parse_reply({"meta_info": {"finish_reason": {"type": "weird"}}}).problem == "malformed_reply"
+    assert parse_reply({"meta_info": {"finish_reason": {"type": "weird"}}}).problem == "reply_malformed"
     bad_entries = reply_body([1])
     bad_entries["meta_info"]["output_token_logprobs"] = [[None, 1, None]]
     assert parse_reply(bad_entries).problem == "logprobs_mismatch"

@@ -271,8 +271,8 @@ def test_ambiguous_guards_are_resolved_from_the_record(recorded: dict[str, Sampl
     assert invalid[("GENERATE", "reply [invalid_action]", "TOOL_CALL")] == "×1"
     assert ("GENERATE", "reply [calls_tool]", "TOOL_CALL") not in invalid
     no_logprobs = trace_overlay(spec, as_row(recorded["no_logprobs"])).edges
-    assert no_logprobs[("GENERATE", "reply [logprobs_missing]", "ABORTED")] == "×1"
-    assert not any("[reply_malformed]" in k[1] or "[server_aborted]" in k[1] for k in no_logprobs)
+    assert no_logprobs[("GENERATE", "reply [reply_unusable]", "ABORTED")] == "×1"
+    assert not any("[server_aborted]" in k[1] for k in no_logprobs)
     # a reason replaced by invariant_violated leaves three `check` edges possible: each is marked "?"
     broken = {"status": "aborted", "metadata": {"termination_reason": "invariant_violated", "fsm_trace": [
         ["RESET", "start", "BUDGET_CHECK"], ["BUDGET_CHECK", "check", "TRUNCATED"], ["TRUNCATED", "invariant_violated", "ABORTED"], ["ABORTED", "mystery", "FAILED"]]}}
