@@ -1,15 +1,40 @@
-"""Frozen, validated settings of the engine, and how they are read from slime's `args`."""
+"""Frozen, validated settings of the engine, and how they are read from slime's `args`.
+
+slime hands a generate function its argparse namespace; the keys of `--custom-config-path`
+YAML become attributes of it. `EngineConfig.from_args` reads that namespace through one
+table, `SETTINGS`: every key the engine reads, its type, its default, the range it must lie
+in and what it means. A value of the wrong type or outside its range raises `SettingsError`
+naming the key and what is allowed (the slime adapter then ends every sample with
+`engine_setup_failed` and that message). A few sizes are *capped* instead: a value past the
+cap is usable but pointless, so it is lowered with one warning (the HTTP pool is the one
+that matters: `sglang_server_concurrency=10**8` would otherwise build clients until memory
+runs out). An `engine_*` key the table does not know is warned about once, with the closest
+known key. The command line (`python -m engine run --config engine.yaml`) goes through the
+same table, so it reads a YAML exactly as a slime job would.
+"""
 
 from __future__ import annotations
 
+import difflib
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 from attrs import validators as v
 
+log = logging.getLogger(__name__)
+
 DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
+PROFILES = ("retool", "chat")
 _positive = v.gt(0)
 _non_negative = v.ge(0)
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names the key and what is allowed."""
 
 
 @attrs.frozen
@@ -24,6 +49,212 @@ class RetryPolicy:
     def delay(self, attempt: int, rand: float) -> float:
         """Sleep before retry number `attempt` (1-based), given a uniform `rand` in [0, 1)."""
         return rand * min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+
+
+# -- the table of settings ------------------------------------------------------------------
+
+
+@attrs.frozen
+class Setting:
+    """One key of slime's `args` (or of the YAML) that the engine reads.
+
+    `kind` is int, float, bool, str, "names" (a list, or a comma-separated string) or
+    "url". Numbers must lie in [low, high]; with `cap` a number above `high` is lowered to
+    it (with a warning) instead of refused. `choices` limits a str. `None` is always
+    allowed and means the default.
+    """
+
+    key: str
+    kind: Any
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    cap: bool = False
+    choices: tuple[str, ...] | None = None
+    above_low: bool = False  # low itself is not allowed (a timeout of 0)
+
+    def allowed(self) -> str:
+        """What the setting accepts, in words."""
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.kind is bool:
+            return "true or false"
+        if self.kind == "names":
+            return "a list of names (or one comma-separated string)"
+        if self.kind == "url":
+            return "an http:// or https:// URL"
+        what = "a whole number" if self.kind is int else "a number" if self.kind is float else "text"
+        if self.low is not None and self.high is not None and not self.cap:
+            return f"{what} {'>' if self.above_low else 'from'} {_fmt(self.low)}{' and <=' if self.above_low else ' to'} {_fmt(self.high)}"
+        if self.low is not None:
+            return f"{what} {'>' if self.above_low else '>='} {_fmt(self.low)}"
+        return what
+
+    def read(self, value: Any) -> Any:
+        """The value converted and checked; raises SettingsError saying what is allowed."""
+        if value is None:
+            return self.default
+        try:
+            converted = _CONVERT[self.kind](value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{self.key} must be {self.allowed()}, got {value!r}") from None
+        if self.choices and converted not in self.choices:
+            raise SettingsError(f"{self.key} must be {self.allowed()}, got {value!r}")
+        if isinstance(converted, (int, float)) and not isinstance(converted, bool):
+            too_low = self.low is not None and (converted <= self.low if self.above_low else converted < self.low)
+            if too_low or (self.high is not None and converted > self.high and not self.cap):
+                raise SettingsError(f"{self.key} must be {self.allowed()}, got {value!r}")
+            if self.high is not None and converted > self.high:
+                warn_once(f"{self.key}={value!r} is more than the engine uses; capped at {_fmt(self.high)}")
+                converted = type(converted)(self.high)
+        return converted
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) and not x.is_integer() else f"{int(x)}"
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a count")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("not whole")
+        return int(value)
+    if isinstance(value, str):
+        return int(value.strip())
+    if isinstance(value, int):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError("not finite")
+    return number
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(n, str) for n in items):
+        raise TypeError("not a list of names")
+    return tuple(n.strip() for n in items if n.strip())
+
+
+def _url(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")) or len(value) < 10:
+        raise ValueError("not an http(s) URL")
+    return value.rstrip("/")
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("not text")
+    return value
+
+
+_CONVERT: dict[Any, Callable[[Any], Any]] = {int: _int, float: _float, bool: _bool, str: _str, "names": _names, "url": _url}
+
+DAY = 86400.0
+# The HTTP pool holds one small client per 4 connections: past this many connections the
+# pool only costs memory and start-up time (a slime job's samples wait in slime's own semaphore).
+MAX_CONNECTIONS = 16384
+
+SETTINGS: dict[str, Setting] = {s.key: s for s in (
+    # engine_* keys: set in the YAML of --custom-config-path (or `run --config`)
+    Setting("engine_server_url", "url", None, "SGLang server or router URL (default: slime's router)"),
+    Setting("engine_profile", str, "retool", "prompt and turn format", choices=PROFILES),
+    Setting("engine_max_turns", int, 16, "model turns per sample", low=1, high=100_000),
+    Setting("engine_max_tool_calls", int, 16, "tool calls per sample", low=0, high=1_000_000),
+    Setting("engine_max_calls_per_turn", int, 8, "tool calls run per turn (the rest get an error)", low=1, high=10_000),
+    Setting("engine_max_response_len", int, None, "response tokens per sample, over all turns", low=1, high=10**9),
+    Setting("engine_tool_timeout", float, 120.0, "seconds a tool call may run", low=0, high=DAY, above_low=True),
+    Setting("engine_tool_concurrency", int, 32, "tool calls running at once (per event loop)", low=1, high=4096, cap=True),
+    Setting("engine_tool_output_chars", int, 8192, "characters of a tool's output kept", low=1, high=10**8),
+    Setting("engine_tools", "names", None, "the tools offered (default: every registered tool)"),
+    Setting("engine_tool_modules", "names", (), "modules imported so their tools register"),
+    Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
+    Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
+    Setting("engine_retry_attempts", int, 6, "attempts per request (1: no retry)", low=1, high=1000),
+    Setting("engine_retry_deadline", float, 300.0, "seconds over all attempts of one request", low=0, high=7 * DAY, above_low=True),
+    Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
+    Setting("engine_retry_max_delay", float, 16.0, "longest backoff", low=0, high=3600),
+    Setting("engine_gc_freeze", bool, True, "gc.freeze() long-lived objects once at start-up"),
+    # slime's own arguments that the engine reads
+    Setting("sglang_router_ip", str, None, "slime's router address"),
+    Setting("sglang_router_port", int, None, "slime's router port", low=1, high=65535),
+    Setting("sglang_server_concurrency", int, 512, "requests in flight per engine", low=1, high=MAX_CONNECTIONS, cap=True),
+    Setting("rollout_num_gpus", int, 1, "GPUs for inference", low=0, high=1_000_000),
+    Setting("rollout_num_gpus_per_engine", int, 1, "GPUs per inference engine", low=1, high=1_000_000),
+    Setting("rollout_max_context_len", int, None, "prompt + response tokens", low=1, high=10**9),
+    Setting("max_tokens_per_gpu", int, None, "the context when rollout_max_context_len is unset", low=1, high=10**9),
+    Setting("context_parallel_size", int, 1, "multiplies max_tokens_per_gpu", low=1, high=1_000_000),
+    Setting("partial_rollout", bool, False, "resume aborted samples from their checkpoint"),
+    Setting("mask_offpolicy_in_partial_rollout", bool, False, "mask tokens of older weights on resume"),
+    Setting("hf_checkpoint", str, None, "model directory; its tokenizer is used"),
+)}
+
+ENGINE_PREFIX = "engine_"
+
+
+def setting(args: Any, key: str) -> Any:
+    """The checked value of one key of `args` (its default when absent or None)."""
+    return SETTINGS[key].read(getattr(args, key, None))
+
+
+def unknown_engine_keys(keys: Iterable[str]) -> dict[str, str | None]:
+    """`engine_*` keys the table does not know, each with the closest known key (or None)."""
+    known = [k for k in SETTINGS if k.startswith(ENGINE_PREFIX)]
+    out: dict[str, str | None] = {}
+    for key in keys:
+        if key.startswith(ENGINE_PREFIX) and key not in SETTINGS:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            out[key] = close[0] if close else None
+    return out
+
+
+def unknown_key_message(key: str, closest: str | None) -> str:
+    """The warning for an `engine_*` key nothing reads."""
+    hint = f"; did you mean {closest}?" if closest else ""
+    return f"unknown engine setting {key} (ignored){hint}"
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(message: str) -> None:
+    """Log a warning the first time this process sees it (from_args runs once per sample)."""
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    log.warning(message)
+
+
+def _namespace_keys(args: Any) -> list[str]:
+    try:
+        return list(vars(args))
+    except TypeError:
+        return [k for k in dir(args) if not k.startswith("_")]
+
+
+# -- the settings ---------------------------------------------------------------------------
 
 
 @attrs.frozen
@@ -63,45 +294,77 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: Any) -> EngineConfig:
-        """Read slime's argparse namespace; `engine_*` keys come from `--custom-config-path` YAML."""
+        """Read slime's argparse namespace (`engine_*` keys come from `--custom-config-path` YAML).
 
-        def get(name: str, default: Any) -> Any:
-            value = getattr(args, name, None)
-            return default if value is None else value
+        Every key is checked against `SETTINGS`; raises SettingsError with one clear sentence.
+        """
+        for key, closest in unknown_engine_keys(_namespace_keys(args)).items():
+            warn_once(unknown_key_message(key, closest))
 
-        ip, port = getattr(args, "sglang_router_ip", None), getattr(args, "sglang_router_port", None)
-        max_context = getattr(args, "rollout_max_context_len", None)
-        if max_context is None:
-            per_gpu = getattr(args, "max_tokens_per_gpu", None)
-            if per_gpu:
-                max_context = int(get("context_parallel_size", 1)) * int(per_gpu)
-        tools = get("engine_tools", None)
-        modules = get("engine_tool_modules", ())
-        retry = RetryPolicy(
-            max_attempts=int(get("engine_retry_attempts", 6)),
-            deadline=float(get("engine_retry_deadline", 300.0)),
-            base_delay=float(get("engine_retry_base_delay", 0.5)),
-        )
-        concurrency = int(get("sglang_server_concurrency", 512))
-        engines = max(1, int(get("rollout_num_gpus", 1)) // max(1, int(get("rollout_num_gpus_per_engine", 1))))
+        def get(key: str) -> Any:
+            return setting(args, key)
+
+        ip, port = get("sglang_router_ip"), get("sglang_router_port")
+        max_context = get("rollout_max_context_len")
+        if max_context is None and get("max_tokens_per_gpu"):
+            max_context = get("context_parallel_size") * get("max_tokens_per_gpu")
+        base, top = get("engine_retry_base_delay"), get("engine_retry_max_delay")
+        if top < base:
+            raise SettingsError(f"engine_retry_max_delay ({top:g}) must be >= engine_retry_base_delay ({base:g})")
+        retry = RetryPolicy(max_attempts=get("engine_retry_attempts"), deadline=get("engine_retry_deadline"),
+                            base_delay=base, max_delay=top)
+        engines = max(1, get("rollout_num_gpus") // get("rollout_num_gpus_per_engine"))
+        connections = get("sglang_server_concurrency") * engines
+        if connections > MAX_CONNECTIONS:
+            warn_once(f"sglang_server_concurrency x engines = {connections} connections; the HTTP pool is capped at {MAX_CONNECTIONS}")
+            connections = MAX_CONNECTIONS
+        url = get("engine_server_url") or (f"http://{ip}:{port}" if ip and port else DEFAULT_SERVER_URL)
+        tools = get("engine_tools")
         return cls(
-            server_url=get("engine_server_url", f"http://{ip}:{port}" if ip and port else DEFAULT_SERVER_URL),
-            profile=str(get("engine_profile", "retool")),
-            max_turns=int(get("engine_max_turns", 16)),
-            max_tool_calls=int(get("engine_max_tool_calls", 16)),
-            max_calls_per_turn=int(get("engine_max_calls_per_turn", 8)),
+            server_url=url,
+            profile=get("engine_profile"),
+            max_turns=get("engine_max_turns"),
+            max_tool_calls=get("engine_max_tool_calls"),
+            max_calls_per_turn=get("engine_max_calls_per_turn"),
             max_context_len=max_context,
-            max_response_len=get("engine_max_response_len", None),
-            tool_timeout=float(get("engine_tool_timeout", 120.0)),
-            tool_concurrency=int(get("engine_tool_concurrency", 32)),
-            tool_output_chars=int(get("engine_tool_output_chars", 8192)),
-            tools=tuple(tools.split(",") if isinstance(tools, str) else tools) if tools else None,
-            tool_modules=tuple(modules.split(",") if isinstance(modules, str) else modules),
-            request_timeout=float(get("engine_request_timeout", 1800.0)),
-            max_connections=concurrency * engines,
+            max_response_len=get("engine_max_response_len"),
+            tool_timeout=get("engine_tool_timeout"),
+            tool_concurrency=get("engine_tool_concurrency"),
+            tool_output_chars=get("engine_tool_output_chars"),
+            tools=tools if tools else None,
+            tool_modules=get("engine_tool_modules"),
+            request_timeout=get("engine_request_timeout"),
+            connect_timeout=get("engine_connect_timeout"),
+            max_connections=connections,
             retry=retry,
-            partial_rollout=bool(get("partial_rollout", False)),
-            mask_offpolicy=bool(get("mask_offpolicy_in_partial_rollout", False)),
-            tokenizer_path=get("hf_checkpoint", None),
-            gc_freeze=bool(get("engine_gc_freeze", True)),
+            partial_rollout=get("partial_rollout"),
+            mask_offpolicy=get("mask_offpolicy_in_partial_rollout"),
+            tokenizer_path=get("hf_checkpoint"),
+            gc_freeze=get("engine_gc_freeze"),
         )
+
+
+# -- the YAML of --custom-config-path --------------------------------------------------------
+
+
+def load_yaml_settings(path: str) -> dict[str, Any]:
+    """The mapping in a YAML file, read as slime reads `--custom-config-path` (safe_load, {} when empty).
+
+    Raises SettingsError for a file that cannot be read or is not a mapping of names.
+    """
+    try:
+        import yaml  # PyPI: PyYAML (comes with transformers); only the command line needs it
+    except ImportError:
+        raise SettingsError("reading a YAML config needs PyYAML (pip install pyyaml)") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise SettingsError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise SettingsError(f"{path} is not valid YAML{at}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise SettingsError(f"{path} must hold a mapping of setting names to values, as slime's --custom-config-path")
+    return data
