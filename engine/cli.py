@@ -1,7 +1,8 @@
 """`python -m engine run | serve | diagram | trace | flow | bench | soak | attacks`.
 
 Each command's work lives in its own module, imported only when the command runs, so
-`python -m engine diagram` does not load torch.
+`python -m engine diagram` does not load torch. A bad argument is one line on stderr
+naming it and what is allowed, exit status 2, before anything starts.
 """
 
 from __future__ import annotations
@@ -9,9 +10,97 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+DISTRIBUTION = "fsm-rollout-engine"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (the usage is one `--help` away), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# -- argument types: each failure names what is allowed --------------------------------------
+
+
+def whole(low: int) -> Callable[[str], int]:
+    """argparse type: a whole number >= low."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def number(low: float, *, above: bool = False, high: float | None = None) -> Callable[[str], float]:
+    """argparse type: a finite number >= low (> low with `above`), <= high when given."""
+    words = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        ok = math.isfinite(value) and (value > low if above else value >= low) and (high is None or value <= high)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be a number {words}, got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def names(text: str) -> list[str]:
+    """argparse type: a comma-separated list of names."""
+    items = [n.strip() for n in text.split(",") if n.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"must be one or more comma-separated names, got {text!r}")
+    return items
+
+
+# -- the parser ---------------------------------------------------------------------------------
+
+
+def version() -> str:
+    """The installed version of the project ("unknown" when run from a bare checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def program_name(argv0: str | None = None) -> str:
+    """How the user called us: `python -m engine` or the console script's own name."""
+    argv0 = argv0 if argv0 is not None else (sys.argv[0] if sys.argv else "")
+    base = os.path.basename(argv0)
+    if not base or base in ("__main__.py", "-c") or base.startswith("python"):
+        return "python -m engine"
+    return base
 
 
 def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
@@ -24,33 +113,82 @@ def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _verbose_parent() -> argparse.ArgumentParser:
+    """`-v` accepted after the subcommand too; SUPPRESS keeps one given before it."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO")
+    return parent
+
+
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    """The `run` options. Those that are also YAML keys default to None here: a `--config`
+    file fills them, a flag wins over it, and the help names the built-in default."""
+    io = run.add_argument_group("input and output")
+    io.add_argument("--input", metavar="FILE", help="JSONL of prompts, one {\"prompt\": ..., \"label\": ...} per line "
+                    "(default: the shipped demo set)")
+    io.add_argument("--output", metavar="FILE", default="samples.jsonl", help="where the samples go (JSONL, in input order)")
+    io.add_argument("--limit", metavar="N", type=whole(1), help="only the first N prompts of the input (default: all)")
+    io.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    where = run.add_argument_group("server and settings")
+    where.add_argument("--config", metavar="YAML", help="the YAML slime's --custom-config-path reads (engine_* keys and "
+                       "slime args); flags given here win over it")
+    where.add_argument("--server", metavar="URL", help="SGLang server or router URL [engine_server_url] "
+                       "(default: start the embedded CPU server)")
+    where.add_argument("--replay", metavar="FILE", help="replay script for the embedded server "
+                       "(default: the demo's, in the chosen profile's format)")
+    where.add_argument("--tokenizer", metavar="DIR", help="local tokenizer directory [hf_checkpoint] "
+                       "(default: the shipped Qwen3 one)")
+    where.add_argument("--profile", choices=["retool", "chat"], help="prompt and turn format [engine_profile] (default: retool)")
+
+    tools = run.add_argument_group("tools")
+    tools.add_argument("--tool-module", metavar="MODULE", action="append", dest="tool_modules",
+                       help="import this module so the tools it registers are offered; repeatable "
+                            "[engine_tool_modules] (default: none)")
+    tools.add_argument("--tools", metavar="A,B", type=names, help="offer only these tools [engine_tools] "
+                       "(default: every registered tool)")
+    tools.add_argument("--tool-timeout", metavar="S", type=number(0, above=True, high=86400),
+                       help="seconds a tool call may run [engine_tool_timeout] (default: 120)")
+    tools.add_argument("--max-tool-calls", metavar="N", type=whole(0), help="tool calls per sample "
+                       "[engine_max_tool_calls] (default: 16)")
+
+    budget = run.add_argument_group("budgets and sampling")
+    budget.add_argument("--concurrency", metavar="N", type=whole(1), help="samples in flight "
+                        "[sglang_server_concurrency] (default: 64)")
+    budget.add_argument("--max-context", metavar="N", type=whole(1), help="prompt + response tokens "
+                        "[rollout_max_context_len] (default: the server's context length)")
+    budget.add_argument("--max-response-len", metavar="N", type=whole(1), help="response tokens over all turns "
+                        "[engine_max_response_len] (default: unbounded)")
+    budget.add_argument("--max-new-tokens", metavar="N", type=whole(1), help="tokens per model turn "
+                        "[rollout_max_response_len] (default: 512)")
+    budget.add_argument("--max-turns", metavar="N", type=whole(1), help="model turns per sample [engine_max_turns] "
+                        "(default: 16)")
+    budget.add_argument("--temperature", metavar="T", type=number(0), help="sampling temperature "
+                        "[rollout_temperature] (default: 1.0)")
+    budget.add_argument("--top-p", metavar="P", type=number(0, above=True, high=1), help="nucleus sampling "
+                        "[rollout_top_p] (default: 1.0)")
+    budget.add_argument("--n-samples-per-prompt", metavar="N", type=whole(1), help="samples per prompt, a GRPO group "
+                        "[n_samples_per_prompt] (default: 1)")
+    budget.add_argument("--partial-rollout", action="store_true", default=None, help="aborted samples keep a "
+                        "checkpoint to resume from [partial_rollout] (default: off)")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The command line, every subcommand with its options."""
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n\n")[0])
+    prog = prog or program_name()
+    parser = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parent = _verbose_parent()
 
     def command(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+        p = sub.add_parser(name, help=help, description=help, parents=[parent], formatter_class=DefaultsFormatter)
         p.set_defaults(func=fn)
         return p
 
     run = command("run", _lazy("engine.local.run:main_run"), "roll out a JSONL of prompts against a server (default: the embedded demo)")
-    run.add_argument("--input", help="JSONL of prompts (default: the shipped demo set)")
-    run.add_argument("--output", default="samples.jsonl", help="where the samples go (JSONL)")
-    run.add_argument("--server", help="SGLang server or router URL (default: start the embedded server)")
-    run.add_argument("--tokenizer", help="local tokenizer directory (default: the shipped Qwen3 one)")
-    run.add_argument("--profile", choices=["retool", "chat"], default="retool")
-    run.add_argument("--concurrency", type=int, default=64, help="samples in flight")
-    run.add_argument("--max-context", type=int, help="prompt + response budget (default: the server's context)")
-    run.add_argument("--max-new-tokens", type=int, default=512, help="per-turn cap")
-    run.add_argument("--max-turns", type=int, default=16)
-    run.add_argument("--max-tool-calls", type=int, default=16)
-    run.add_argument("--tool-timeout", type=float, default=120.0)
-    run.add_argument("--temperature", type=float, default=1.0)
-    run.add_argument("--replay", help="replay script for the embedded server (default: the demo's)")
-    run.add_argument("--limit", type=int, help="only the first N prompts")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(run)
 
     serve = command("serve", _lazy("engine.local.server:main_serve"), "serve SGLang's /generate API from a small CPU model")
     from engine.local.server import add_serve_arguments
@@ -58,41 +196,57 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
 
     diagram = command("diagram", _lazy("engine.trace.diagrams:main_diagram"), "draw the machine from its definition into diagrams/")
-    diagram.add_argument("--out", default="diagrams", help="output directory")
+    diagram.add_argument("--out", metavar="DIR", default="diagrams", help="output directory")
     diagram.add_argument("--check", action="store_true", help="fail if the files there are not current")
+    diagram.add_argument("--tool-module", metavar="MODULE", action="append", dest="tool_modules",
+                         help="also draw the tools this module registers; repeatable (default: built-in tools only)")
 
-    trace = command("trace", _lazy("engine.trace.diagrams:main_trace"), "draw the path one sample took")
-    trace.add_argument("file", help="rollout JSONL, or slime's --save-debug-rollout-data dump")
-    trace.add_argument("--sample", default="0", help="sample index (or its 'index' field)")
-    trace.add_argument("--out", help="write the highlighted diagram here (.mmd or .svg)")
+    trace = command("trace", _lazy("engine.trace.diagrams:main_trace"), "print the path one sample took, its turns and tool calls")
+    trace.add_argument("file", help="rollout JSONL (from `run`), or slime's --save-debug-rollout-data dump")
+    pick = trace.add_mutually_exclusive_group()
+    pick.add_argument("--sample", metavar="INDEX", type=int, help="the sample whose `index` field is INDEX "
+                      "(default: the first sample of the file)")
+    pick.add_argument("--position", metavar="N", type=int, help="the sample at position N of the file (0 first, -1 last)")
+    trace.add_argument("--text", action="store_true", help="also print each turn's text and each tool call with its output")
+    trace.add_argument("--tokenizer", metavar="DIR", help="tokenizer for --text (default: the shipped Qwen3 one)")
+    trace.add_argument("--out", metavar="PATH", help="write the highlighted diagram here (.mmd or .svg) "
+                       "(default: print the Mermaid)")
 
     flow = command("flow", _lazy("engine.trace.diagrams:main_flow"), "draw where a batch of samples went: edge and terminal counts")
-    flow.add_argument("file", help="rollout JSONL, or slime's --save-debug-rollout-data dump")
-    flow.add_argument("--out", help="write the counted diagram here (.mmd or .svg)")
+    flow.add_argument("file", help="rollout JSONL (from `run`), or slime's --save-debug-rollout-data dump")
+    flow.add_argument("--out", metavar="PATH", help="write the counted diagram here (.mmd or .svg) (default: print the Mermaid)")
 
     bench = command("bench", _lazy("engine.local.bench:main_bench"), "measure engine overhead against its floors")
     bench.add_argument("--small", action="store_true", help="a quick smoke-size run (CI)")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
-    bench.add_argument("--samples", type=int, help="rollout samples (default 512; --small 64)")
-    bench.add_argument("--turns", type=int, help="turns per sample (default 8)")
-    bench.add_argument("--repeats", type=int, help="repeats per figure (medians are reported)")
+    bench.add_argument("--samples", metavar="N", type=whole(1), help="rollout samples (default: 512; --small 64)")
+    bench.add_argument("--turns", metavar="N", type=whole(1), help="turns per sample (default: 8)")
+    bench.add_argument("--repeats", metavar="N", type=whole(1), help="repeats per figure; medians are reported (default: 3)")
 
     soak = command("soak", _lazy("engine.local.soak:main_soak"), "many samples through a faulty server with real sandbox calls")
-    soak.add_argument("--samples", type=int, default=2000)
-    soak.add_argument("--concurrency", type=int, default=256)
-    soak.add_argument("--faults", default="default", help="fault spec (see `serve --faults`)")
-    soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument("--json", action="store_true")
+    soak.add_argument("--samples", metavar="N", type=whole(1), default=2000, help="samples to roll out")
+    soak.add_argument("--concurrency", metavar="N", type=whole(1), default=256, help="samples in flight")
+    soak.add_argument("--faults", metavar="SPEC", default="default", help="fault spec (see `serve --faults`)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the fault sequence")
+    soak.add_argument("--json", action="store_true", help="machine-readable output")
 
     attacks = command("attacks", _lazy("tools.sandbox.attacks.suite:main_attacks"), "run the sandbox attack suite and print what was contained")
-    attacks.add_argument("--json", action="store_true")
+    attacks.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
+
+
+def configure_logging(ns: argparse.Namespace) -> None:
+    """WARNING by default, INFO with -v; `serve` always says where it listens."""
+    logging.basicConfig(level=logging.INFO if getattr(ns, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if ns.command == "serve":
+        logging.getLogger("engine.local.server").setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m engine` and the `fsm-rollout` script."""
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(ns)
     try:
         return int(ns.func(ns) or 0)
     except KeyboardInterrupt:
@@ -101,3 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def fail(message: str, status: int = 2) -> int:
+    """Print one `error:` line on stderr and return the exit status (2: a user error)."""
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
+__all__: list[Any] = ["build_parser", "fail", "main", "names", "number", "program_name", "version", "whole"]

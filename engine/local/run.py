@@ -1,9 +1,16 @@
 """The main job: roll out a JSONL of prompts, write the samples, print a summary.
 
-With no `--server`, the embedded SGLang-compatible server is started on a free
-loopback port with the shipped demo replay, and stopped at the end. Samples are
-written as they finish to `OUTPUT.partial`, renamed to OUTPUT at the end or on Ctrl-C,
-so OUTPUT is never half-written and what finished is kept.
+Everything the user gave is checked before anything starts (`plan_run`): the paths, the
+settings (through the same table a slime job reads, `engine.config.SETTINGS`, from
+`--config` YAML and the flags, the flags winning), the tokenizer, the tool modules, and
+then whether every offered tool can work at all (`engine.loop.preflight`). A bad argument
+is one `error:` line and exit status 2; a tool that cannot work stops the job with exit 1.
+
+With no `--server`, the embedded SGLang-compatible server is started on a free loopback
+port with the shipped demo replay (in the chosen profile's format), and stopped at the end.
+Samples are written as they finish to `OUTPUT.partial`, then put in input order under
+OUTPUT at the end or on Ctrl-C, so OUTPUT is never half-written and what finished is kept.
+The exit status is 1 when every sample, or every tool call, failed.
 """
 
 from __future__ import annotations
@@ -14,48 +21,290 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
+import attrs
 import httpx
 
-from engine.config import EngineConfig, RetryPolicy
-from engine.profiles.reward import retool_score
-from engine.loop.runtime import Runtime
+from engine.config import EngineConfig, Setting, SettingsError, load_yaml_settings
 from engine.local.sample import Sample
-from engine.slime.sample_io import clear_sample, engine_metadata
-from engine.slime import run_sample
-from engine.trace.summary import format_summary, summarize
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+# Each flag of `run` and the key of slime's args (and of the YAML) it sets.
+FLAG_KEYS = {
+    "server": "engine_server_url",
+    "tokenizer": "hf_checkpoint",
+    "profile": "engine_profile",
+    "concurrency": "sglang_server_concurrency",
+    "max_context": "rollout_max_context_len",
+    "max_response_len": "engine_max_response_len",
+    "max_new_tokens": "rollout_max_response_len",
+    "max_turns": "engine_max_turns",
+    "max_tool_calls": "engine_max_tool_calls",
+    "tool_timeout": "engine_tool_timeout",
+    "tool_modules": "engine_tool_modules",
+    "tools": "engine_tools",
+    "temperature": "rollout_temperature",
+    "top_p": "rollout_top_p",
+    "n_samples_per_prompt": "n_samples_per_prompt",
+    "partial_rollout": "partial_rollout",
+}
+# A local run's own defaults where they differ from a training job's: fewer connections,
+# fewer and shorter retries (a person is waiting).
+RUN_DEFAULTS = {"sglang_server_concurrency": 64, "engine_retry_attempts": 4, "engine_retry_deadline": 60.0}
+# slime's sampling arguments a run reads (slime itself checks them in a training job).
+SAMPLING_SETTINGS = {s.key: s for s in (
+    Setting("rollout_temperature", float, 1.0, "sampling temperature", low=0, high=1000),
+    Setting("rollout_top_p", float, 1.0, "nucleus sampling", low=0, high=1, above_low=True),
+    Setting("rollout_max_response_len", int, 512, "tokens per model turn", low=1, high=10**9),
+    Setting("n_samples_per_prompt", int, 1, "samples per prompt", low=1, high=100_000),
+)}
+
+
+class UsageError(Exception):
+    """An argument or setting the user must change: one line, exit status 2."""
+
+
+class CannotRun(Exception):
+    """The job cannot work as set up (a dead tool, a server that did not start): exit status 1."""
 
 
 def demo_file(name: str) -> str:
-    """Path of a file of the shipped demo (prompts.jsonl, replay.jsonl)."""
+    """Path of a file of the shipped demo (prompts.jsonl, replay.jsonl, replay-chat.jsonl)."""
     return str(resources.files("engine.local") / "demo" / name)
 
 
+def demo_replay(profile: str) -> str:
+    """The demo replay written in `profile`'s turn format."""
+    return demo_file("replay-chat.jsonl" if profile == "chat" else "replay.jsonl")
+
+
+# -- reading the input ------------------------------------------------------------------------
+
+
 def read_prompts(path: str) -> list[Sample]:
-    """One Sample per line; a line that is not a JSON object becomes a FAILED sample, not an exit."""
+    """One Sample per line; a line that is not a prompt becomes a FAILED sample, not an exit."""
     samples: list[Sample] = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f):
             if not line.strip():
                 continue
-            sample = Sample(index=len(samples), session_id=uuid.uuid4().hex)
+            sample = Sample(index=len(samples), group_index=len(samples), session_id=uuid.uuid4().hex)
             try:
                 row = json.loads(line)
                 if not isinstance(row, dict) or "prompt" not in row:
                     raise ValueError('each line must be a JSON object with a "prompt"')
+                if not isinstance(row["prompt"], (str, list)) or not row["prompt"]:
+                    raise ValueError('"prompt" must be a non-empty string or a list of chat messages')
                 sample.prompt, sample.label = row["prompt"], row.get("label")
                 sample.metadata = dict(row.get("metadata") or {})
-            except ValueError as exc:
-                clear_sample(sample)
+            except (ValueError, TypeError) as exc:
                 sample.status = Sample.Status.FAILED
                 sample.metadata = {"fsm": {"termination_reason": "bad_input_line", "engine_error": f"line {n + 1}: {exc}"}}
             samples.append(sample)
     return samples
+
+
+def expand_groups(prompts: list[Sample], n: int) -> list[Sample]:
+    """`n` samples per prompt (a GRPO group): `group_index` is the prompt's, `index` runs in input order."""
+    out: list[Sample] = []
+    for group, base in enumerate(prompts):
+        copies = 1 if base.status is not Sample.Status.PENDING else n  # a bad line is reported once
+        for k in range(copies):
+            out.append(Sample(group_index=group, index=len(out), prompt=base.prompt, label=base.label,
+                              status=base.status, metadata=json.loads(json.dumps(base.metadata)),
+                              session_id=uuid.uuid4().hex if k else base.session_id))
+    return out
+
+
+# -- checking everything before starting -------------------------------------------------------
+
+
+@attrs.frozen
+class Plan:
+    """A run whose every argument was checked: what to roll out, with which settings, where."""
+
+    cfg: EngineConfig
+    samples: list[Sample]
+    params: dict[str, Any]
+    output: str
+    server: str | None  # None: start the embedded server
+    replay: str | None
+    tokenizer: Any
+    progress: bool
+
+
+def settings_args(ns: argparse.Namespace) -> argparse.Namespace:
+    """slime's `args` as this run's settings make them: the run's defaults, the YAML, then the flags."""
+    args = argparse.Namespace(**RUN_DEFAULTS)
+    if getattr(ns, "config", None):
+        try:
+            data = load_yaml_settings(ns.config)
+        except SettingsError as exc:
+            raise UsageError(f"--config: {exc}") from None
+        for key, value in data.items():  # as slime does with --custom-config-path
+            setattr(args, key, value)
+    for dest, key in FLAG_KEYS.items():
+        value = getattr(ns, dest, None)
+        if value is not None:
+            setattr(args, key, value)
+    return args
+
+
+def _origin(ns: argparse.Namespace, key: str) -> str:
+    """Where a setting came from, for an error message: its flag, or the YAML key."""
+    for dest, k in FLAG_KEYS.items():
+        if k == key and getattr(ns, dest, None) is not None:
+            return "--tool-module" if dest == "tool_modules" else "--" + dest.replace("_", "-")
+    return f"{key} in {ns.config}" if getattr(ns, "config", None) else key
+
+
+def check_output(path: str, input_path: str) -> None:
+    """OUTPUT must be a file we can create, and not the input. Tried for real (root ignores modes)."""
+    if os.path.isdir(path):
+        raise UsageError(f"--output {path}: is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--output {path}: the directory {parent} does not exist")
+    if os.path.exists(path) and os.path.samefile(path, input_path):
+        raise UsageError(f"--output {path}: is the input file; give another name")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".fsm-rollout-write-test-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--output {path}: cannot write in {parent} ({exc.strerror or exc})") from None
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise UsageError(f"--output {path}: the file exists and is not writable")
+
+
+def read_input(path: str, limit: int | None) -> list[Sample]:
+    """The prompts of INPUT (the first `limit`); warns about lines that are not prompts."""
+    if not os.path.exists(path):
+        raise UsageError(f"--input {path}: no such input file")
+    if not os.path.isfile(path):
+        raise UsageError(f"--input {path}: not a file")
+    try:
+        prompts = read_prompts(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--input {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    prompts = prompts[:limit] if limit else prompts
+    bad = [s for s in prompts if s.status is not Sample.Status.PENDING]
+    if not prompts:
+        raise UsageError(f"--input {path}: holds no prompts (one JSON object with a \"prompt\" per line)")
+    if len(bad) == len(prompts):
+        raise UsageError(f"--input {path}: no line is a prompt ({bad[0].metadata['fsm']['engine_error']})")
+    if bad:
+        first = bad[0].metadata["fsm"]["engine_error"]
+        print(f"warning: --input {path}: {len(bad)} of {len(prompts)} lines are not prompts ({first}); "
+              "each is recorded as a FAILED sample", file=sys.stderr)
+    return prompts
+
+
+def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
+    """Load the tokenizer (and the profile on it) now, so a wrong path is one clear line."""
+    from engine.profiles import make_profile
+    from engine.profiles.tokenizer import load_tokenizer
+
+    path = cfg.tokenizer_path
+    if path is not None and not os.path.isdir(path):
+        raise UsageError(f"{_origin(ns, 'hf_checkpoint')} {path}: not a directory; give a local directory "
+                         "holding tokenizer files (tokenizer.json, tokenizer_config.json)")
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as exc:  # transformers raises many kinds; the user needs one sentence
+        where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
+        raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+    try:
+        make_profile(cfg.profile, tokenizer)
+    except Exception as exc:
+        raise UsageError(f"{_origin(ns, 'engine_profile')} {cfg.profile}: {exc}") from None
+    return tokenizer
+
+
+def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
+    """Import the tool modules, check the tool names; returns the tools offered."""
+    import importlib
+
+    import tools
+
+    for module in cfg.tool_modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise UsageError(f"{_origin(ns, 'engine_tool_modules')} {module}: cannot import it "
+                             f"({type(exc).__name__}: {exc})") from None
+    registered = tools.names()
+    unknown = [n for n in cfg.tools or () if n not in registered]
+    if unknown:
+        raise UsageError(f"{_origin(ns, 'engine_tools')}: no tool named {', '.join(map(repr, unknown))} "
+                         f"(registered: {', '.join(registered) or 'none'}; add one with --tool-module)")
+    return [n for n in registered if cfg.tools is None or n in cfg.tools]
+
+
+def check_budgets(ns: argparse.Namespace, cfg: EngineConfig, max_new_tokens: int) -> None:
+    """The budgets must fit in one another."""
+    if cfg.max_context_len is None:
+        return
+    if max_new_tokens > cfg.max_context_len:
+        raise UsageError(f"{_origin(ns, 'rollout_max_response_len')} {max_new_tokens} is more than "
+                         f"{_origin(ns, 'rollout_max_context_len')} {cfg.max_context_len}: a turn cannot outgrow the context")
+    if cfg.max_response_len is not None and cfg.max_response_len > cfg.max_context_len:
+        raise UsageError(f"{_origin(ns, 'engine_max_response_len')} {cfg.max_response_len} is more than "
+                         f"{_origin(ns, 'rollout_max_context_len')} {cfg.max_context_len}")
+
+
+def plan_run(ns: argparse.Namespace) -> Plan:
+    """Check every argument, cheapest first; raises UsageError (or CannotRun for a dead tool)."""
+    in_path = ns.input or demo_file("prompts.jsonl")
+    check_output(ns.output, in_path)
+    args = settings_args(ns)
+    try:
+        cfg = EngineConfig.from_args(args)
+        sampling = {k: s.read(getattr(args, k, None)) for k, s in SAMPLING_SETTINGS.items()}
+    except SettingsError as exc:
+        key = str(exc).split(" ", 1)[0]
+        raise UsageError(f"{_origin(ns, key)}: {str(exc).split(' ', 1)[1]}" if key in _all_keys() else str(exc)) from None
+    check_budgets(ns, cfg, sampling["rollout_max_response_len"])
+    server = ns.server or getattr(args, "engine_server_url", None)
+    if server and ns.replay:
+        raise UsageError("--replay: only the embedded server replays a script; drop --replay or --server")
+    replay = None
+    if not server:
+        replay = ns.replay or demo_replay(cfg.profile)
+        try:
+            from engine.local.server.replay import load_replay
+
+            load_replay(replay)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--replay {replay}: {getattr(exc, 'strerror', None) or exc}") from None
+    samples = expand_groups(read_input(in_path, ns.limit), sampling["n_samples_per_prompt"])
+    tokenizer = check_tokenizer(ns, cfg)
+    offered = check_tools(ns, cfg)
+    from engine.loop.preflight import check_tools_sync, describe
+
+    problems = check_tools_sync(offered)
+    if problems:
+        raise CannotRun(f"{describe(problems)}; nothing was rolled out")
+    params = {"temperature": sampling["rollout_temperature"], "top_p": sampling["rollout_top_p"],
+              "max_new_tokens": sampling["rollout_max_response_len"], "no_stop_trim": True,
+              "skip_special_tokens": False, "spaces_between_special_tokens": False}
+    progress = not ns.no_progress and sys.stderr.isatty()
+    return Plan(cfg, samples, params, ns.output, server, replay, tokenizer, progress)
+
+
+def _all_keys() -> set[str]:
+    from engine.config import SETTINGS
+
+    return set(SETTINGS) | set(SAMPLING_SETTINGS)
+
+
+# -- the server ---------------------------------------------------------------------------------
 
 
 def server_context_length(url: str) -> int | None:
@@ -80,29 +329,44 @@ def check_reachable(url: str) -> str | None:
 
 
 @contextlib.contextmanager
-def embedded_server(ns: argparse.Namespace) -> Iterator[str]:
-    """Start the demo server on a free loopback port unless `--server` was given."""
-    if ns.server:
-        yield ns.server
+def embedded_server(plan: Plan) -> Iterator[str]:
+    """Start the demo server on a free loopback port unless a server URL was given."""
+    if plan.server:
+        yield plan.server
         return
     from engine.local.server import BackgroundServer, ServerSettings
 
-    replay = ns.replay or demo_file("replay.jsonl")
-    print(f"starting the embedded server (tiny Qwen3 on the CPU, replay {os.path.basename(replay)})...", file=sys.stderr)
-    with BackgroundServer(ServerSettings(port=0, replay_path=replay, tokenizer_path=ns.tokenizer)) as server:
+    print(f"starting the embedded server (tiny Qwen3 on the CPU, replay {os.path.basename(str(plan.replay))})...", file=sys.stderr)
+    server = BackgroundServer(ServerSettings(port=0, replay_path=plan.replay, tokenizer_path=plan.cfg.tokenizer_path))
+    try:
+        server.start()
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        cause = exc.__cause__ or exc
+        raise CannotRun(f"the embedded server did not start: {type(cause).__name__}: {cause}") from None
+    try:
         yield server.url
+    finally:
+        server.stop()
 
 
-async def roll_out(samples: list[Sample], cfg: EngineConfig, params: dict[str, Any], out_path: str, progress: bool) -> float:
-    """Run every pending sample; append each finished one to `out_path` as it ends."""
-    rt = Runtime.create(cfg)
+# -- rolling out --------------------------------------------------------------------------------
+
+
+async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
+    """Run every pending sample; append each finished one to `out_path` as it ends. Returns the retries."""
+    from engine.loop.runtime import Runtime
+    from engine.profiles.reward import retool_score
+    from engine.slime import run_sample
+    from engine.slime.sample_io import engine_metadata
+
+    rt = Runtime.create(cfg, tokenizer=plan.tokenizer)
     gate = asyncio.Semaphore(cfg.max_connections)
     bar = None
-    if progress:
+    if plan.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(samples), unit="sample", file=sys.stderr)
-    started = time.perf_counter()
+        bar = tqdm(total=len(plan.samples), unit="sample", file=sys.stderr)
     with open(out_path, "w", encoding="utf-8") as out:
 
         def emit(sample: Sample) -> None:
@@ -113,15 +377,16 @@ async def roll_out(samples: list[Sample], cfg: EngineConfig, params: dict[str, A
 
         async def one(sample: Sample) -> None:
             async with gate:
-                await run_sample(rt, sample, dict(params))
+                await run_sample(rt, sample, dict(plan.params))
                 if sample.status.name in ("COMPLETED", "TRUNCATED", "FAILED"):
-                    sample.reward = retool_score(sample.response, sample.label, int(engine_metadata(sample).get("tool_stats", {}).get("calls", 0)))
+                    calls = int(engine_metadata(sample).get("tool_stats", {}).get("calls", 0))
+                    sample.reward = retool_score(sample.response, sample.label, calls)
             emit(sample)
 
-        for sample in samples:
+        for sample in plan.samples:
             if sample.status is not Sample.Status.PENDING:
                 emit(sample)  # a bad input line: recorded, not rolled out
-        tasks = [asyncio.create_task(one(s)) for s in samples if s.status is Sample.Status.PENDING]
+        tasks = [asyncio.create_task(one(s)) for s in plan.samples if s.status is Sample.Status.PENDING]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -131,46 +396,75 @@ async def roll_out(samples: list[Sample], cfg: EngineConfig, params: dict[str, A
             await rt.aclose()
             if bar is not None:
                 bar.close()
-    return time.perf_counter() - started
+    return int(rt.client.retries_spent)
+
+
+def finish_output(partial: str, output: str) -> list[dict[str, Any]]:
+    """Put the finished samples in input order under OUTPUT (atomically); returns them."""
+    with open(partial, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows.sort(key=lambda row: (row.get("index") is None, row.get("index") or 0))
+    ordered = partial + ".ordered"
+    with open(ordered, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    os.replace(ordered, output)
+    os.remove(partial)
+    return rows
 
 
 def main_run(ns: argparse.Namespace) -> int:
     """`python -m engine run`: see the module docstring."""
-    in_path = ns.input or demo_file("prompts.jsonl")
-    if not os.path.isfile(in_path):
-        print(f"error: no such input file: {in_path}", file=sys.stderr)
-        return 2
-    samples = read_prompts(in_path)[: ns.limit] if ns.limit else read_prompts(in_path)
-    partial = ns.output + ".partial"
-    interrupted, wall = False, float("nan")
     try:
-        with embedded_server(ns) as url:
+        plan = plan_run(ns)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CannotRun as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    partial = plan.output + ".partial"
+    interrupted, retries = False, None
+    started = time.perf_counter()
+    try:
+        with embedded_server(plan) as url:
             problem = check_reachable(url)
             if problem:
                 print(f"error: {problem}", file=sys.stderr)
-                return 2
-            cfg = EngineConfig(
-                server_url=url,
-                profile=ns.profile,
-                max_turns=ns.max_turns,
-                max_tool_calls=ns.max_tool_calls,
-                max_context_len=ns.max_context or server_context_length(url),
-                tool_timeout=ns.tool_timeout,
-                max_connections=max(1, ns.concurrency),
-                retry=RetryPolicy(max_attempts=4, deadline=60.0),
-                tokenizer_path=ns.tokenizer,
-            )
-            params = {"temperature": ns.temperature, "top_p": 1.0, "max_new_tokens": ns.max_new_tokens,
-                      "no_stop_trim": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
-            wall = asyncio.run(roll_out(samples, cfg, params, partial, progress=not ns.no_progress))
+                return EXIT_USAGE
+            cfg = attrs.evolve(plan.cfg, server_url=url.rstrip("/"),
+                               max_context_len=plan.cfg.max_context_len or server_context_length(url))
+            started = time.perf_counter()
+            retries = asyncio.run(roll_out(plan, cfg, partial))
+    except CannotRun as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:  # Ctrl-C: keep what finished, under the final name
         interrupted = True
+    wall = time.perf_counter() - started
     if not os.path.exists(partial):
         print("interrupted before any sample finished: nothing written", file=sys.stderr)
-        return 130
-    os.replace(partial, ns.output)
-    with open(ns.output, encoding="utf-8") as f:
-        done = [json.loads(line) for line in f]
-    print(format_summary(summarize(done, wall_seconds=wall)))
-    print(f"\nwrote {len(done)} sample(s) to {ns.output}" + (" (interrupted: the rest were not run)" if interrupted else ""))
-    return 130 if interrupted else 0
+        return EXIT_INTERRUPTED
+    done = finish_output(partial, plan.output)
+    return report(done, plan, wall, retries, interrupted)
+
+
+def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | None, interrupted: bool) -> int:
+    """Print the summary; the exit status says whether the batch as a whole failed."""
+    from engine.profiles.tokenizer import Codec
+    from engine.trace.summary import batch_failure, format_summary, summarize
+
+    summary = summarize(done, wall_seconds=wall, decode=Codec(plan.tokenizer).decode, retries=retries)
+    print(format_summary(summary))
+    note = " (interrupted: the rest were not run)" if interrupted else ""
+    print(f"\nwrote {len(done)} sample(s) to {plan.output}{note}")
+    if interrupted:
+        return EXIT_INTERRUPTED
+    failure = batch_failure(summary)
+    if failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+__all__ = ["CannotRun", "Plan", "UsageError", "demo_file", "demo_replay", "expand_groups", "main_run", "plan_run",
+           "read_prompts", "settings_args"]

@@ -1,4 +1,10 @@
-"""The summary of a batch of rollouts: statuses, reasons, turns, tools, tokens, time."""
+"""The summary of a batch of rollouts: statuses, reasons, turns, tools, tokens, time, and what went wrong.
+
+Besides the figures, it names the most common error texts (what tools answered with,
+what ended samples, how many requests were retried), warns when most tool calls failed
+the same way, and says when a batch is a failure as a whole (every sample, or every tool
+call, failed): `run` then exits non-zero, so a dead tool never looks like success.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,14 @@ from collections import Counter
 from statistics import mean
 from typing import Any
 
-from engine.trace.samples_file import metadata
+from engine.trace.samples_file import metadata, status_name
+from engine.trace.turns import Decode, error_texts
+
+# Error kinds given to calls answered before running (unparsable, unknown, over budget): the
+# model's mistakes, not the tool's. Every other kind is a call that ran and failed.
+PLAN_ERRORS = frozenset({"malformed_call", "unknown_tool", "surplus_call", "error"})
+SHOWN_TEXTS = 5
+ENGINE_ERROR_CHARS = 120
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -16,20 +29,40 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "mean": mean(values), "max": max(values), "sum": sum(values)}
 
 
-def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan) -> dict[str, Any]:
-    """Aggregate figures of sample dicts (as written by `run`, or slime's `to_dict`)."""
+def _short(text: Any) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= ENGINE_ERROR_CHARS else text[: ENGINE_ERROR_CHARS - 1] + "…"
+
+
+def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, decode: Decode | None = None,
+              retries: int | None = None) -> dict[str, Any]:
+    """Aggregate figures of sample dicts (as written by `run`, or slime's `to_dict`).
+
+    With `decode` (token ids -> text) the tools' error texts are read from the observations.
+    """
     metas = [metadata(s) for s in samples]
     errors: Counter[str] = Counter()
+    tools_used: Counter[str] = Counter()
     for m in metas:
         errors.update((m.get("tool_stats") or {}).get("errors") or {})
+        for turn in m.get("turns") or []:
+            tools_used.update(turn.get("tools") or [])
+    texts: Counter[str] = Counter()
+    if decode is not None:
+        for s in samples:
+            texts.update(error_texts(s, decode))
     rewards = [r["score"] if isinstance(r, dict) else r for r in (s.get("reward") for s in samples) if r is not None]
     return {
         "samples": len(samples),
-        "status": Counter(str(s.get("status")) for s in samples),
+        "status": Counter(status_name(s) for s in samples),
         "termination_reason": Counter(str(m.get("termination_reason")) for m in metas),
         "turns": _stats([len(m.get("turns") or []) for m in metas]),
         "tool_calls": _stats([(m.get("tool_stats") or {}).get("calls", 0) for m in metas]),
         "tool_errors": errors,
+        "tool_error_texts": texts,
+        "tools_used": tools_used,
+        "engine_errors": Counter(_short(m["engine_error"]) for m in metas if m.get("engine_error")),
+        "retries": retries,
         "response_tokens": _stats([s.get("response_length") or 0 for s in samples]),
         "trained_tokens": _stats([sum(s.get("loss_mask") or []) for s in samples]),
         "generation_seconds": _stats([m.get("generation_time", 0.0) for m in metas]),
@@ -39,14 +72,50 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan) -> 
     }
 
 
-def format_summary(summary: dict[str, Any]) -> str:
-    """A plain-text table of `summarize`'s figures."""
-    lines = [f"samples: {summary['samples']}   wall: {summary['wall_seconds']:.1f} s"]
+def failed_calls(summary: dict[str, Any]) -> int:
+    """Tool calls that ran and failed (calls answered before running are not counted)."""
+    return sum(n for kind, n in summary["tool_errors"].items() if kind not in PLAN_ERRORS)
 
-    def counts(title: str, counter: Counter[str]) -> None:
+
+def warnings(summary: dict[str, Any]) -> list[str]:
+    """Sentences for the reader: most tool calls failed the same way."""
+    calls = int(summary["tool_calls"]["sum"])
+    ran = Counter({k: n for k, n in summary["tool_errors"].items() if k not in PLAN_ERRORS})
+    out = []
+    if calls and ran:
+        kind, n = ran.most_common(1)[0]
+        if 2 * n > calls:
+            tools = ", ".join(summary["tools_used"]) or "the tools"
+            text = summary["tool_error_texts"].most_common(1)
+            said = f": {text[0][0]}" if text else ""
+            out.append(f"{n} of {calls} tool calls ({tools}) failed with '{kind}'{said}")
+    return out
+
+
+def batch_failure(summary: dict[str, Any]) -> str | None:
+    """Why the batch as a whole failed (every sample, or every tool call), else None."""
+    n = summary["samples"]
+    good = sum(summary["status"].get(s, 0) for s in ("COMPLETED", "TRUNCATED"))
+    if n and not good:
+        return f"every sample failed ({', '.join(f'{k} {v}' for k, v in summary['status'].most_common())})"
+    calls = int(summary["tool_calls"]["sum"])
+    if calls and failed_calls(summary) >= calls:
+        return f"every tool call failed ({calls} of {calls})"
+    return None
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A plain-text table of `summarize`'s figures, then the errors and warnings."""
+    wall = summary["wall_seconds"]
+    shown = f"{wall:.1f} s" if isinstance(wall, (int, float)) and math.isfinite(wall) else "not measured"
+    lines = [f"samples: {summary['samples']}   wall: {shown}"]
+
+    def counts(title: str, counter: Counter[str], limit: int | None = None) -> None:
         lines.append(f"{title}:")
-        for key, n in counter.most_common():
+        for key, n in counter.most_common(limit):
             lines.append(f"  {key:<28} {n:>6}")
+        if limit is not None and len(counter) > limit:
+            lines.append(f"  ... and {len(counter) - limit} more")
 
     counts("status", summary["status"])
     counts("termination reason", summary["termination_reason"])
@@ -56,4 +125,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"{key:<22}{st['min']:>10.4g}{st['mean']:>10.4g}{st['max']:>10.4g}{st['sum']:>12.6g}")
     if summary["tool_errors"]:
         counts("tool errors", summary["tool_errors"])
+    if summary.get("tool_error_texts"):
+        counts("most common tool error texts", summary["tool_error_texts"], SHOWN_TEXTS)
+    if summary.get("engine_errors"):
+        counts("most common engine errors", summary["engine_errors"], SHOWN_TEXTS)
+    if summary.get("retries") is not None:
+        lines.append(f"requests retried: {summary['retries']}")
+    lines += [f"warning: {w}" for w in warnings(summary)]
     return "\n".join(lines)
