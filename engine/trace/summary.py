@@ -46,7 +46,7 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
     for m in metas:
         errors.update((m.get("tool_stats") or {}).get("errors") or {})
         for turn in m.get("turns") or []:
-            tools_used.update(turn.get("tools") or [])
+            tools_used.update(name for name in turn.get("tools") or [] if name)
     texts: Counter[str] = Counter()
     if decode is not None:
         for s in samples:
@@ -112,8 +112,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     def counts(title: str, counter: Counter[str], limit: int | None = None) -> None:
         lines.append(f"{title}:")
-        for key, n in counter.most_common(limit):
-            lines.append(f"  {key:<28} {n:>6}")
+        for key, n in counter.most_common(limit):  # a long text goes last, after its count
+            lines.append(f"  {key:<28} {n:>6}" if len(key) <= 28 else f"  {n:>6}  {key}")
         if limit is not None and len(counter) > limit:
             lines.append(f"  ... and {len(counter) - limit} more")
 
