@@ -21,7 +21,7 @@ from typing import Any
 from engine.trace.drawing import FAULT_TRIGGERS, machine_dot, machine_mermaid, machine_svg, svg_digest, svg_edge_id
 from engine.machine.table import MachineSpec
 from engine.trace.paths import Overlay, edge_counts, flow_overlay, flow_table, timeline, trace_overlay
-from engine.trace.samples_file import fsm_trace, load_samples, metadata, select_sample, status_name
+from engine.trace.samples_file import fsm_trace, has_traces, load_samples, metadata, select_sample, status_name
 
 __all__ = [
     "Overlay",
@@ -61,24 +61,37 @@ LEGEND = {
 
 
 @cache
-def builtin_tool_names() -> tuple[str, ...]:
-    """The tools a fresh `import tools` registers: what `python -m engine diagram` draws.
+def builtin_tool_names(modules: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The tools a fresh `import tools` registers (plus those of `modules`): what `diagram` draws.
 
     Asked of a fresh interpreter so that tools a test (or a caller) registered in this
-    process never leak into the checked-in diagrams or their staleness check.
+    process never leak into the checked-in diagrams or their staleness check. Raises
+    ValueError naming a module that cannot be imported.
     """
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    code = "import json, tools; print(json.dumps(list(tools.names())))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    path = [root, os.getcwd(), os.environ.get("PYTHONPATH")]  # a user's module lives beside them
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    code = ("import importlib, json, sys, tools\n"
+            "for m in sys.argv[1:]:\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except Exception as exc:\n"
+            "        print(json.dumps({'module': m, 'error': f'{type(exc).__name__}: {exc}'}))\n"
+            "        sys.exit(3)\n"
+            "print(json.dumps(list(tools.names())))")
+    done = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    if done.returncode == 3:
+        failed = json.loads(last)
+        raise ValueError(f"--tool-module {failed['module']}: cannot import it ({failed['error']})")
     if done.returncode != 0:
         raise RuntimeError(f"importing the tools package failed:\n{done.stderr}")
-    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+    return tuple(json.loads(last))
 
 
-def builtin_spec() -> MachineSpec:
-    """The machine with the built-in tools registered."""
-    return MachineSpec.from_registry(tool_names=builtin_tool_names())
+def builtin_spec(modules: tuple[str, ...] = ()) -> MachineSpec:
+    """The machine with the built-in tools registered (and those of `modules`)."""
+    return MachineSpec.from_registry(tool_names=builtin_tool_names(tuple(modules)))
 
 
 def spec_for_samples(samples: Sequence[dict[str, Any]]) -> MachineSpec:
@@ -225,8 +238,12 @@ def write_drawing(path: str | Path, spec: MachineSpec, overlay: Overlay | None =
 
 
 def main_diagram(ns: argparse.Namespace) -> int:
-    """`python -m engine diagram [--out DIR] [--check]`."""
-    spec = builtin_spec()
+    """`python -m engine diagram [--out DIR] [--check] [--tool-module M ...]`."""
+    try:
+        spec = builtin_spec(tuple(getattr(ns, "tool_modules", None) or ()))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if ns.check:
         stale = stale_diagrams(ns.out, spec)
         if stale:
@@ -234,34 +251,76 @@ def main_diagram(ns: argparse.Namespace) -> int:
             return 1
         print(f"{ns.out}: current")
         return 0
-    for path in write_diagrams(ns.out, spec):
+    try:
+        written = write_diagrams(ns.out, spec)
+    except OSError as exc:
+        print(f"error: --out {ns.out}: cannot write there ({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    for path in written:
         print(f"wrote {path}")
     return 0
 
 
+def _load_traced(path: str) -> list[dict[str, Any]]:
+    """The samples of a file the engine wrote; refuses a file with no recorded path (a prompts file)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file")
+    try:
+        samples = load_samples(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a rollout JSONL or a slime dump ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # torch.load / unpickling of a foreign file: one sentence, no traceback
+        raise ValueError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from None
+    if not samples:
+        raise ValueError(f"{path}: holds no samples")
+    if not has_traces(samples):
+        raise ValueError(f"{path}: holds no engine traces (metadata['fsm']['trace']); is it a prompts file? "
+                         "Roll it out first: python -m engine run --input FILE")
+    return samples
+
+
 def main_trace(ns: argparse.Namespace) -> int:
-    """`python -m engine trace FILE [--sample ID] [--out PATH]`."""
+    """`python -m engine trace FILE [--sample INDEX | --position N] [--text] [--out PATH]`."""
     try:
         _check_out(ns.out)
-        samples = load_samples(ns.file)
-        position, sample = select_sample(samples, str(ns.sample))
+        samples = _load_traced(ns.file)
+        position, sample = select_sample(samples, index=getattr(ns, "sample", None), position=getattr(ns, "position", None))
+        decode = _decoder(getattr(ns, "tokenizer", None)) if getattr(ns, "text", False) else None
     except (OSError, ValueError) as exc:
-        print(f"trace: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     spec = spec_for_samples([sample])
     print(timeline(sample, spec, position=position))
-    title = f"sample {position}, {status_name(sample)} ({metadata(sample).get('termination_reason')})"
+    if decode is not None:
+        from engine.trace.turns import format_turns
+
+        print()
+        print(format_turns(sample, decode))
+    name = f"index {sample['index']}" if sample.get("index") is not None else f"position {position}"
+    title = f"sample {name}, {status_name(sample)} ({metadata(sample).get('termination_reason')})"
     overlay = trace_overlay(spec, sample, title=title)
     return _emit(ns.out, spec, overlay)
+
+
+def _decoder(path: str | None) -> Any:
+    """Token ids -> text with the tokenizer at `path` (default: the shipped Qwen3 one)."""
+    if path is not None and not os.path.isdir(path):
+        raise ValueError(f"--tokenizer {path}: not a directory holding tokenizer files")
+    from engine.profiles.tokenizer import Codec, load_tokenizer
+
+    try:
+        return Codec(load_tokenizer(path)).decode
+    except Exception as exc:  # transformers raises many kinds
+        raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there ({type(exc).__name__})") from None
 
 
 def main_flow(ns: argparse.Namespace) -> int:
     """`python -m engine flow FILE [--out PATH]`."""
     try:
         _check_out(ns.out)
-        samples = load_samples(ns.file)
+        samples = _load_traced(ns.file)
     except (OSError, ValueError) as exc:
-        print(f"flow: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     spec = spec_for_samples(samples)
     print(flow_table(samples, spec))
@@ -271,8 +330,13 @@ def main_flow(ns: argparse.Namespace) -> int:
 
 def _check_out(out: str | None) -> None:
     """Refuse an --out we cannot write before any work is done."""
-    if out and Path(out).suffix not in OUT_SUFFIXES:
+    if not out:
+        return
+    if Path(out).suffix not in OUT_SUFFIXES:
         raise ValueError(f"--out must end in .mmd or .svg, got {Path(out).name}")
+    parent = Path(out).resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: the directory {parent} does not exist")
 
 
 def _emit(out: str | None, spec: MachineSpec, overlay: Overlay) -> int:

@@ -101,7 +101,9 @@ def trace_overlay(spec: MachineSpec, sample: dict[str, Any], title: str = "") ->
             (sure if step.certain or not step.edges else unsure)[key] += 1
         states.setdefault(step.source, "")
         states.setdefault(step.dest, "")
-    states.setdefault(final_state(sample), "")  # a sample with no trace still ended somewhere
+    end = final_state(sample)
+    if end in spec.states:  # a sample with no trace still ended somewhere (never PENDING: not a state)
+        states.setdefault(end, "")
     keys = list(dict.fromkeys([*sure, *unsure]))
     return Overlay({k: _note(sure[k], unsure[k]) for k in keys}, states, title)
 
@@ -219,9 +221,9 @@ def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: 
     spec = spec or _default_spec([sample])
     meta = metadata(sample)
     stats = meta.get("tool_stats") or {}
-    name = f"sample #{position}" if position is not None else "sample"
-    if sample.get("index") is not None:
-        name += f" (index {sample['index']})"
+    name = f"sample index {sample['index']}" if sample.get("index") is not None else "sample"
+    if position is not None:
+        name += f" (position {position} in the file)"
     head = [
         f"{name}: status {status_name(sample)}, termination reason {meta.get('termination_reason')}",
         f"turns {len(meta.get('turns') or [])}, tool calls {stats.get('calls', 0)}, tool errors {stats.get('errors') or 'none'}, "

@@ -76,27 +76,32 @@ def _as_dict(item: Any) -> dict[str, Any]:
     raise ValueError(f"not a sample: {type(item).__name__}")
 
 
-def select_sample(samples: Sequence[dict[str, Any]], key: str) -> tuple[int, dict[str, Any]]:
-    """The sample `key` names, and its position.
+def select_sample(samples: Sequence[dict[str, Any]], *, index: int | None = None,
+                  position: int | None = None) -> tuple[int, dict[str, Any]]:
+    """The sample whose `index` field is `index`, or the one at `position` (0 first, -1 last), and its position.
 
-    `"3"` is the fourth sample in the file (`"-1"` the last); `"index=7"` is the sample
-    whose `index` field is 7. A number past the end of the file is tried as an `index`.
+    With neither, the first sample. Raises ValueError naming what the file holds.
     """
-    key = key.strip()
-    by_field = key.startswith("index=")
-    text = key.removeprefix("index=")
-    try:
-        number = int(text)
-    except ValueError:
-        raise ValueError(f"--sample must be a number or index=N, got {key!r}") from None
-    if not by_field and -len(samples) <= number < len(samples):
-        pos = number % len(samples)
-        return pos, samples[pos]
-    for pos, sample in enumerate(samples):
-        if sample.get("index") == number:
-            return pos, sample
-    where = "with index field" if by_field else "at position (or with index field)"
-    raise ValueError(f"no sample {where} {number}: the file holds {len(samples)} samples")
+    if not samples:
+        raise ValueError("the file holds no samples")
+    if index is not None:
+        for pos, sample in enumerate(samples):
+            if sample.get("index") == index:
+                return pos, sample
+        known = sorted(i for i in (s.get("index") for s in samples) if isinstance(i, int))
+        held = f"indexes {known[0]} to {known[-1]}" if known else "no index fields"
+        raise ValueError(f"--sample {index}: no sample has index {index} (the file holds {len(samples)} samples, "
+                         f"{held}; --position N picks by place in the file)")
+    pos = 0 if position is None else position
+    if not -len(samples) <= pos < len(samples):
+        raise ValueError(f"--position {pos}: the file holds {len(samples)} samples (0 to {len(samples) - 1}, or -1 for the last)")
+    pos %= len(samples)
+    return pos, samples[pos]
+
+
+def has_traces(samples: Sequence[dict[str, Any]]) -> bool:
+    """Whether any sample carries the path the engine recorded (a prompts file does not)."""
+    return any(fsm_trace(s) for s in samples)
 
 
 def metadata(sample: dict[str, Any]) -> dict[str, Any]:

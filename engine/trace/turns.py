@@ -9,6 +9,7 @@ policy saw them, with no extra record of text on the sample.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -78,3 +79,37 @@ def error_texts(sample: dict[str, Any], decode: Decode) -> list[str]:
 def _short(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= ERROR_TEXT_CHARS else text[: ERROR_TEXT_CHARS - 1] + "…"
+
+
+TEXT_CHARS = 2000  # per part printed by `trace --text`; a flood of tool output is cut
+
+
+def _block(text: str, indent: str = "    ") -> list[str]:
+    if len(text) > TEXT_CHARS:
+        text = text[:TEXT_CHARS] + f"\n[... {len(text) - TEXT_CHARS} more characters not shown]"
+    return [indent + line for line in (text.splitlines() or [""])]
+
+
+def format_turns(sample: dict[str, Any], decode: Decode) -> str:
+    """Each model turn's text with the tool calls it made, each observation with the tools that answered."""
+    meta = metadata(sample)
+    log = meta.get("turns") or []
+    profile = meta.get("profile")
+    lines: list[str] = []
+    turn = 0
+    for part in response_parts(sample, decode):
+        if part.kind == "model":
+            turn += 1
+            version = f", weights {part.weight_version}" if part.weight_version not in (None, "default") else ""
+            lines.append(f"turn {turn} (model, {part.tokens} tokens{version}):")
+            lines += _block(part.text)
+            for name, arguments in parse_calls(profile, part.text):
+                shown = json.dumps(arguments, ensure_ascii=False) if not isinstance(arguments, str) else arguments
+                lines.append(f"  -> call {name}: {shown}")
+        else:
+            record = log[turn - 1] if 0 < turn <= len(log) else {}
+            names = [n or "?" for n in record.get("tools") or []]
+            source = f"answer to {', '.join(names)}" if names else "note (no call ran)"
+            lines.append(f"  <- observation ({part.tokens} tokens, {source}):")
+            lines += _block(part.text, "    ")
+    return "\n".join(lines) if lines else "(the response is empty)"

@@ -235,13 +235,13 @@ def states_of(edges: dict[tuple[str, str, str], int]) -> set[str]:
 def test_trace_highlights_exactly_the_path(jsonl: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], position: int, expected: dict, status: str, reason: str) -> None:
     spec = builtin_spec()
     mmd, svg = tmp_path / "path.mmd", tmp_path / "path.svg"
-    assert main_trace(argparse.Namespace(file=str(jsonl), sample=str(position), out=str(mmd))) == 0
+    assert main_trace(argparse.Namespace(file=str(jsonl), position=position, out=str(mmd))) == 0
     printed = capsys.readouterr().out
     assert f"status {status}, termination reason {reason}" in printed
     marked, visited = mermaid_marks(mmd.read_text(), spec)
     assert marked == {k: f"×{n}" for k, n in expected.items()}
     assert visited == states_of(expected)
-    assert main_trace(argparse.Namespace(file=str(jsonl), sample=str(position), out=str(svg))) == 0
+    assert main_trace(argparse.Namespace(file=str(jsonl), position=position, out=str(svg))) == 0
     edge_ids, state_ids = svg_marks(svg.read_text())
     assert edge_ids == {svg_edge_id(k) for k in expected}
     assert state_ids == states_of(expected)
@@ -259,8 +259,8 @@ def test_trace_timeline_rows(recorded: dict[str, Sample], capsys: pytest.Capture
     first_turn = trimmed["metadata"]["fsm"]["turns"][0]
     assert f"turn 1: {first_turn['tokens']} tokens" in text and "finish stop" in text
     assert f"observation {first_turn['observation_tokens']} tokens from code_interpreter" in text
-    # without --out the mermaid follows the timeline; the sample can be named by its index field
-    assert main_trace(argparse.Namespace(file=str(jsonl), sample="index=101", out=None)) == 0
+    # without --out the mermaid follows the timeline; --sample names the sample by its index field
+    assert main_trace(argparse.Namespace(file=str(jsonl), sample=101, out=None)) == 0
     out = capsys.readouterr().out
     assert "observe [observation_over_budget] ×1" in out and out.index("status TRUNCATED") < out.index("stateDiagram-v2")
 
@@ -291,19 +291,22 @@ def test_torch_dump_in_slime_format_loads_like_the_jsonl(recorded: dict[str, Sam
     assert [s["index"] for s in from_dump] == [s["index"] for s in from_jsonl]
     assert [s["metadata"]["fsm"]["trace"] for s in from_dump] == [s["metadata"]["fsm"]["trace"] for s in from_jsonl]
     for source in (dump, jsonl):
-        assert main_trace(argparse.Namespace(file=str(source), sample="2", out=None)) == 0
-    a, b = capsys.readouterr().out.split("sample #2", 2)[1:]
+        assert main_trace(argparse.Namespace(file=str(source), position=2, out=None)) == 0
+    a, b = capsys.readouterr().out.split("sample index 102 (position 2 in the file)", 2)[1:]
     assert a == b and "check [room_left] ×3" in a
 
 
-def test_select_sample_by_position_or_index() -> None:
+def test_select_sample_by_index_field_or_position() -> None:
     samples = [{"index": 7}, {"index": 3}]
-    assert select_sample(samples, "1") == (1, {"index": 3})
-    assert select_sample(samples, "-1") == (1, {"index": 3})
-    assert select_sample(samples, "index=7") == (0, {"index": 7})
-    assert select_sample(samples, "7") == (0, {"index": 7})  # past the end: tried as an index
-    with pytest.raises(ValueError):
-        select_sample(samples, "index=5")
+    assert select_sample(samples, index=3) == (1, {"index": 3})
+    assert select_sample(samples, index=7) == (0, {"index": 7})
+    assert select_sample(samples, position=1) == (1, {"index": 3})
+    assert select_sample(samples, position=-1) == (1, {"index": 3})
+    assert select_sample(samples) == (0, {"index": 7})
+    with pytest.raises(ValueError, match="no sample has index 1 .*indexes 3 to 7"):
+        select_sample(samples, index=1)  # an index is never taken for a position
+    with pytest.raises(ValueError, match="--position 2: the file holds 2 samples"):
+        select_sample(samples, position=2)
 
 
 def test_flow_counts_equal_the_traces(jsonl: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
