@@ -12,7 +12,8 @@ hook, keyed by the sample's routing key). Printed: counts by status and terminat
 faults injected, retries, tool calls, wall time, peak RSS, and the figures that must be zero:
 invariant violations, exceptions escaping `run_sample`, unfinished samples, and child
 processes left behind (children of this process, or processes of the sandbox's uids, that
-were not there before the run). Exit status 0 when all of those are zero, else 1.
+were not there before the run). Exit status 0 when all of those are zero and some tool call
+succeeded, else 1; a sandbox whose check fails stops the soak before it starts (exit 1).
 """
 
 from __future__ import annotations
@@ -164,9 +165,21 @@ class SoakResult:
     problems: list[str] = attrs.Factory(list)
 
     @property
+    def failed_tool_calls(self) -> int:
+        """Calls that ran and failed (not the model's unparsable or surplus calls)."""
+        from engine.trace.summary import PLAN_ERRORS
+
+        return sum(n for kind, n in self.tool_errors.items() if kind not in PLAN_ERRORS)
+
+    @property
+    def tools_dead(self) -> bool:
+        """Every tool call failed: the sandbox is not working, whatever else held."""
+        return self.tool_calls > 0 and self.failed_tool_calls >= self.tool_calls
+
+    @property
     def ok(self) -> bool:
         return not (self.invariant_violations or self.escaped_exceptions or self.unfinished_samples
-                    or self.leftover_processes)
+                    or self.leftover_processes or self.tools_dead)
 
     def note(self, problem: str) -> None:
         if len(self.problems) < SHOWN:
@@ -175,7 +188,7 @@ class SoakResult:
     def to_json(self) -> dict[str, Any]:
         data = attrs.asdict(self)
         rate = round(self.samples / self.wall_seconds, 2) if self.wall_seconds else None
-        data.update(ok=self.ok, samples_per_second=rate)
+        data.update(ok=self.ok, samples_per_second=rate, tools_dead=self.tools_dead)
         return data
 
     def format(self) -> str:
@@ -196,6 +209,8 @@ class SoakResult:
             f"{self.escaped_exceptions}, unfinished samples {self.unfinished_samples}, leftover processes "
             f"{self.leftover_processes}",
             *(f"  ! {p}" for p in self.problems),
+            *([f"  ! every tool call failed ({self.failed_tool_calls} of {self.tool_calls}): the sandbox is not working"]
+              if self.tools_dead else []),
             "OK" if self.ok else "FAILED",
         ]
         return "\n".join(lines)
@@ -337,6 +352,12 @@ def main_soak(ns: argparse.Namespace) -> int:
     if ns.samples < 1 or ns.concurrency < 1:
         print("error: --samples and --concurrency must be at least 1", file=sys.stderr)
         return 2
+    from engine.loop.preflight import check_tools_sync, describe
+
+    problems = check_tools_sync(["code_interpreter"])  # the soak's calls go to the real sandbox
+    if problems:
+        print(f"error: {describe(problems)}; nothing was rolled out", file=sys.stderr)
+        return 1
     progress = not ns.json and sys.stderr.isatty()
     result = run_soak(ns.samples, ns.concurrency, ns.faults, ns.seed, progress=progress)
     print(json.dumps(result.to_json(), indent=2, sort_keys=True) if ns.json else result.format())

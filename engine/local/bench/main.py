@@ -99,6 +99,12 @@ def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[st
 def main_bench(ns: argparse.Namespace) -> int:
     """Entry point of `python -m engine bench`. Misses are reported, not failed: exit 0."""
     sizes = Sizes.from_args(ns)
+    from engine.loop.preflight import check_tools_sync, describe
+
+    problems = check_tools_sync(["code_interpreter"])  # figures 3 and 4 time the real sandbox
+    if problems:
+        print(f"error: {describe(problems)}; nothing was measured", file=sys.stderr)
+        return 1
     figures, header = run_all(sizes, quiet=bool(getattr(ns, "json", False)))
     print(to_json(figures, header) if getattr(ns, "json", False) else format_table(figures, header))
     return 0
