@@ -55,23 +55,39 @@ def fault_spec_argument(text: str) -> str:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `serve` options (one per ServerSettings field) to an argparse parser."""
+    """Add the `serve` options (one per ServerSettings field) to an argparse parser.
+
+    Each number is checked by its argparse type, so a bad one is a usage error, not a traceback.
+    """
+    from engine.cli import whole  # the command line's own argument types
+
+    def port(text: str) -> int:
+        value = whole(0)(text)
+        if value > 65535:
+            raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
+        return value
+
     defaults = ServerSettings()
-    parser.add_argument("--host", default=defaults.host)
-    parser.add_argument("--port", type=int, default=defaults.port, help="0 picks a free port")
-    parser.add_argument("--model-path", default=None, help="local HF causal LM directory (default: tiny Qwen3)")
-    parser.add_argument("--tokenizer-path", default=None, help="local tokenizer directory")
-    parser.add_argument("--context-length", type=int, default=defaults.context_length)
-    parser.add_argument("--replay-path", default=None, help="JSON/JSONL script of assistant turns to replay")
-    parser.add_argument("--weight-version", default=defaults.weight_version)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    parser.add_argument("--host", default=defaults.host, help="address to listen on")
+    parser.add_argument("--port", type=port, default=defaults.port, help="port to listen on; 0 picks a free port")
+    parser.add_argument("--model-path", metavar="DIR", default=None,
+                        help="local Hugging Face causal LM directory (default: the tiny random Qwen3)")
+    parser.add_argument("--tokenizer-path", metavar="DIR", default=None,
+                        help="local tokenizer directory (default: the model's, else the shipped Qwen3 one)")
+    parser.add_argument("--context-length", metavar="N", type=whole(9), default=defaults.context_length,
+                        help="most tokens of prompt + output")
+    parser.add_argument("--replay-path", metavar="FILE", default=None,
+                        help="JSON/JSONL script of assistant turns to replay (default: sample from the model)")
+    parser.add_argument("--weight-version", default=defaults.weight_version, help="the weight version replies report")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of requests that carry no sampling_seed")
+    parser.add_argument("--served-model-name", default=None, help="model name in /get_model_info (default: the model's)")
+    parser.add_argument("--max-running-requests", metavar="N", type=whole(1), default=defaults.max_running_requests,
+                        help="requests decoded together")
     parser.add_argument(
         "--faults", default=None, metavar="SPEC", type=fault_spec_argument,
         help="inject faults into /generate: a preset (default, none) and/or kind=rate pairs, e.g. "
              "'http500=0.05,reset=0.02,stall=0.01,malformed=0.02,no_meta=0.01,abort=0.03,context400=0.01,"
-             "mismatch=0.02,seed=7' (also stall_seconds=S); counts in /server_info faults_injected")
+             "mismatch=0.02,seed=7' (also stall_seconds=S); counts in /server_info faults_injected (default: none)")
 
 
 def settings_from_namespace(ns: argparse.Namespace) -> ServerSettings:
