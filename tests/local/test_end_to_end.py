@@ -129,3 +129,4 @@ def test_ctrl_c_keeps_what_finished_and_never_leaves_half_a_file(tmp_path: Path)
     assert all(json.loads(line)["status"] in ("completed", "truncated", "aborted", "failed") for line in lines)
     if proc.returncode == 130:
         assert "interrupted" in printed
+    assert "wall: nan" not in printed and ("wall: " not in printed or " s " in printed.split("wall: ", 1)[1][:20])
