@@ -441,6 +441,8 @@ def main_run(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C: keep what finished, under the final name
         interrupted = True
     wall = time.perf_counter() - started
+    if os.path.exists(partial) and os.path.getsize(partial) == 0:
+        os.remove(partial)  # opened, but nothing finished before Ctrl-C
     if not os.path.exists(partial):
         print("interrupted before any sample finished: nothing written", file=sys.stderr)
         return EXIT_INTERRUPTED

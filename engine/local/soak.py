@@ -167,9 +167,9 @@ class SoakResult:
     @property
     def failed_tool_calls(self) -> int:
         """Calls that ran and failed (not the model's unparsable or surplus calls)."""
-        from engine.trace.summary import PLAN_ERRORS
+        from engine.trace.summary import count_failed_calls
 
-        return sum(n for kind, n in self.tool_errors.items() if kind not in PLAN_ERRORS)
+        return count_failed_calls(self.tool_errors)
 
     @property
     def tools_dead(self) -> bool:

@@ -17,8 +17,10 @@ from engine.trace.samples_file import metadata, status_name
 from engine.trace.turns import Decode, error_texts
 
 # Error kinds given to calls answered before running (unparsable, unknown, over budget): the
-# model's mistakes, not the tool's. Every other kind is a call that ran and failed.
+# model's mistakes, not the tool's. A truncated output is a call that worked. Every other
+# kind is a call that ran and failed.
 PLAN_ERRORS = frozenset({"malformed_call", "unknown_tool", "surplus_call", "error"})
+NOT_FAILURES = PLAN_ERRORS | {"output_truncated"}
 SHOWN_TEXTS = 5
 ENGINE_ERROR_CHARS = 120
 
@@ -73,14 +75,19 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
 
 
 def failed_calls(summary: dict[str, Any]) -> int:
-    """Tool calls that ran and failed (calls answered before running are not counted)."""
-    return sum(n for kind, n in summary["tool_errors"].items() if kind not in PLAN_ERRORS)
+    """Tool calls that ran and failed (not calls answered before running, not truncated outputs)."""
+    return count_failed_calls(summary["tool_errors"])
+
+
+def count_failed_calls(errors: dict[str, int]) -> int:
+    """How many of these error kinds are calls that ran and failed."""
+    return sum(n for kind, n in errors.items() if kind not in NOT_FAILURES)
 
 
 def warnings(summary: dict[str, Any]) -> list[str]:
     """Sentences for the reader: most tool calls failed the same way."""
     calls = int(summary["tool_calls"]["sum"])
-    ran = Counter({k: n for k, n in summary["tool_errors"].items() if k not in PLAN_ERRORS})
+    ran = Counter({k: n for k, n in summary["tool_errors"].items() if k not in NOT_FAILURES})
     out = []
     if calls and ran:
         kind, n = ran.most_common(1)[0]

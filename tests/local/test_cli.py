@@ -141,7 +141,7 @@ def test_unknown_engine_key_is_warned_with_the_closest_key(tmp_path: Path) -> No
 
 
 def test_a_sandbox_that_cannot_start_stops_the_run_before_rolling_out(tmp_path: Path) -> None:
-    from tests.support.plugins.dead_sandbox import REASON
+    from tests.support.broken_tools import REASON
 
     got = engine("run", "--no-progress", "--tool-module", "tests.support.plugins.dead_sandbox", cwd=tmp_path)
     assert got.code == 1
@@ -150,7 +150,7 @@ def test_a_sandbox_that_cannot_start_stops_the_run_before_rolling_out(tmp_path: 
 
 
 def test_the_summary_of_a_run_with_failing_tools_names_the_error(tmp_path: Path) -> None:
-    from tests.support.plugins.failing_sandbox import TEXT
+    from tests.support.broken_tools import TEXT
 
     got = engine("run", "--no-progress", "--limit", "3", "--tool-module", "tests.support.plugins.failing_sandbox",
                  cwd=tmp_path)
@@ -270,3 +270,22 @@ def test_config_gives_the_settings_slime_would_read(tmp_path: Path) -> None:
     # a flag wins over the file, and changes nothing else
     ns = build_parser().parse_args(["run", "--config", str(path), "--max-turns", "3", "--tool-module", "a.b"])
     assert EngineConfig.from_args(settings_args(ns)) == attrs.evolve(from_slime, max_turns=3, tool_modules=("a.b",))
+
+
+# -- soak and bench check the sandbox first -----------------------------------------------------------
+
+
+def test_soak_and_bench_stop_before_starting_when_the_sandbox_cannot_work(capsys: pytest.CaptureFixture[str]) -> None:
+    import tools
+    from engine.local.bench.main import main_bench
+    from engine.local.soak import main_soak
+    from tests.support.broken_tools import REASON, DeadSandbox
+
+    with tools.registered(DeadSandbox()):
+        soak = main_soak(argparse.Namespace(samples=10, concurrency=4, faults="default", seed=0, json=False))
+        bench = main_bench(argparse.Namespace(small=True, json=False, samples=None, turns=None, repeats=None))
+    err = capsys.readouterr().err
+    assert soak == 1 and bench == 1
+    assert f"error: tool code_interpreter cannot work: {REASON}; nothing was rolled out" in err
+    assert f"error: tool code_interpreter cannot work: {REASON}; nothing was measured" in err
+    assert "measuring" not in err  # no figure started
