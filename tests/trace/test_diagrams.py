@@ -372,3 +372,17 @@ def test_the_project_readme_embeds_the_current_machine(tmp_path: Path) -> None:
     assert stale_diagrams(out) == []
     (tmp_path / "README.md").write_text(text.replace("RESET --> BUDGET_CHECK : start", "RESET --> X"))
     assert stale_diagrams(out) == [str((tmp_path / "README.md").resolve())]
+
+
+def test_diagram_draws_a_users_tool_module(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ns = argparse.Namespace(out=str(tmp_path), check=False, tool_modules=["tests.support.plugins.word_count"])
+    assert main_diagram(ns) == 0
+    text = (tmp_path / "machine.mmd").read_text()
+    assert "TOOL_WORD_COUNT" in text and "dispatch [calls_word_count]" in text and "TOOL_CODE_INTERPRETER" in text
+    assert "TOOL_WORD_COUNT" not in (DIAGRAMS / "machine.mmd").read_text()  # the checked-in ones are untouched
+    capsys.readouterr()
+    bad = argparse.Namespace(out=str(tmp_path / "x"), check=False, tool_modules=["no_such_module_xyz"])
+    assert main_diagram(bad) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --tool-module no_such_module_xyz: cannot import it (ModuleNotFoundError")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "x").exists()
