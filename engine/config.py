@@ -238,13 +238,19 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def warn_once(message: str) -> None:
-    """Log a warning the first time this process sees it (from_args runs once per sample)."""
+def log_once(message: str, level: int = logging.WARNING, logger: logging.Logger = log) -> bool:
+    """Log `message` the first time this process sees it (from_args runs once per sample); True if logged."""
     with _warned_lock:
         if message in _warned:
-            return
+            return False
         _warned.add(message)
-    log.warning(message)
+    logger.log(level, message)
+    return True
+
+
+def warn_once(message: str) -> None:
+    """A warning, once per process."""
+    log_once(message)
 
 
 def _namespace_keys(args: Any) -> list[str]:

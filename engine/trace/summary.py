@@ -45,10 +45,15 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
     metas = [metadata(s) for s in samples]
     errors: Counter[str] = Counter()
     tools_used: Counter[str] = Counter()
+    per_tool: Counter[tuple[str, str | None]] = Counter()  # (tool, error kind or None) per call that ran
     for m in metas:
         errors.update((m.get("tool_stats") or {}).get("errors") or {})
         for turn in m.get("turns") or []:
-            tools_used.update(name for name in turn.get("tools") or [] if name)
+            names = turn.get("tools") or []
+            tools_used.update(name for name in names if name)
+            kinds = turn.get("errors")  # per result, when the engine records it
+            if isinstance(kinds, list) and len(kinds) == len(names):
+                per_tool.update((n, k) for n, k in zip(names, kinds) if n and k not in PLAN_ERRORS)
     texts: Counter[str] = Counter()
     if decode is not None:
         for s in samples:
@@ -63,6 +68,7 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
         "tool_errors": errors,
         "tool_error_texts": texts,
         "tools_used": tools_used,
+        "per_tool": per_tool,
         "engine_errors": Counter(_short(m["engine_error"]) for m in metas if m.get("engine_error")),
         "retries": retries,
         "response_tokens": _stats([s.get("response_length") or 0 for s in samples]),
@@ -85,7 +91,13 @@ def count_failed_calls(errors: dict[str, int]) -> int:
 
 
 def warnings(summary: dict[str, Any]) -> list[str]:
-    """Sentences for the reader: most tool calls failed the same way."""
+    """Sentences for the reader: most calls of a tool failed the same way.
+
+    Per tool when the turn records say which call got which error; else over all calls.
+    """
+    per_tool = summary.get("per_tool") or Counter()
+    if per_tool:
+        return _per_tool_warnings(summary, per_tool)
     calls = int(summary["tool_calls"]["sum"])
     ran = Counter({k: n for k, n in summary["tool_errors"].items() if k not in NOT_FAILURES})
     out = []
@@ -96,6 +108,20 @@ def warnings(summary: dict[str, Any]) -> list[str]:
             text = summary["tool_error_texts"].most_common(1)
             said = f": {text[0][0]}" if text else ""
             out.append(f"{n} of {calls} tool calls ({tools}) failed with '{kind}'{said}")
+    return out
+
+
+def _per_tool_warnings(summary: dict[str, Any], per_tool: Counter[tuple[str, str | None]]) -> list[str]:
+    out = []
+    for tool in sorted({t for t, _ in per_tool}):
+        calls = sum(n for (t, _), n in per_tool.items() if t == tool)
+        failed = Counter({k: n for (t, k), n in per_tool.items() if t == tool and k not in NOT_FAILURES and k})
+        if failed:
+            kind, n = failed.most_common(1)[0]
+            if 2 * n > calls:
+                text = summary["tool_error_texts"].most_common(1)
+                said = f": {text[0][0]}" if text and len(failed) == 1 and len({t for t, _ in per_tool}) == 1 else ""
+                out.append(f"{n} of {calls} calls of {tool} failed with '{kind}'{said}")
     return out
 
 
