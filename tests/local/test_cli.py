@@ -181,7 +181,7 @@ def test_chat_demo_rolls_out_groups_with_tool_calls_in_input_order(chat_run: tup
     assert [r["index"] for r in rows] == list(range(6))
     assert [r["group_index"] for r in rows] == [0, 0, 1, 1, 2, 2]
     assert len({r["session_id"] for r in rows}) == 6
-    prompts = [json.loads(line)["prompt"] for line in open(demo_file("prompts.jsonl"))][:3]
+    prompts = [json.loads(line)["prompt"] for line in Path(demo_file("prompts.jsonl")).read_text().splitlines()][:3]
     assert [r["prompt"] for r in rows] == [p for p in prompts for _ in range(2)]
     for r in rows:
         assert r["status"] == "completed" and r["metadata"]["fsm"]["profile"] == "chat"
