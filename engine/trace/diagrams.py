@@ -263,6 +263,8 @@ def main_diagram(ns: argparse.Namespace) -> int:
 
 def _load_traced(path: str) -> list[dict[str, Any]]:
     """The samples of a file the engine wrote; refuses a file with no recorded path (a prompts file)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory; give a rollout JSONL or a slime dump")
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file")
     try:

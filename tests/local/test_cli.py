@@ -289,3 +289,14 @@ def test_soak_and_bench_stop_before_starting_when_the_sandbox_cannot_work(capsys
     assert f"error: tool code_interpreter cannot work: {REASON}; nothing was rolled out" in err
     assert f"error: tool code_interpreter cannot work: {REASON}; nothing was measured" in err
     assert "measuring" not in err  # no figure started
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--port", "70000"], "argument --port: must be a port number from 0 to 65535, got '70000'"),
+    (["--replay-path", "nope.jsonl"], "argument --replay-path: cannot read 'nope.jsonl'"),
+    (["--model-path", "nope"], "argument --model-path: 'nope' is not a directory"),
+    (["--context-length", "5"], "argument --context-length: must be a whole number >= 9"),
+])
+def test_serve_refuses_bad_arguments_before_loading_anything(tmp_path: Path, argv: list[str], says: str) -> None:
+    got = engine("serve", *argv, cwd=tmp_path)
+    assert got.code == 2 and got.err.strip().splitlines() == [f"python -m engine serve: error: {says} (see python -m engine serve --help)"]

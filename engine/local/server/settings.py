@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import attrs
@@ -67,16 +68,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
         return value
 
+    def directory(text: str) -> str:
+        if not os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+        return text
+
+    def replay(text: str) -> str:
+        from engine.local.server.replay import load_replay  # json and attrs only
+
+        try:
+            load_replay(text)
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text!r} ({exc.strerror or exc})") from None
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(" ".join(str(exc).split())) from None
+        return text
+
     defaults = ServerSettings()
     parser.add_argument("--host", default=defaults.host, help="address to listen on")
     parser.add_argument("--port", type=port, default=defaults.port, help="port to listen on; 0 picks a free port")
-    parser.add_argument("--model-path", metavar="DIR", default=None,
+    parser.add_argument("--model-path", metavar="DIR", type=directory, default=None,
                         help="local Hugging Face causal LM directory (default: the tiny random Qwen3)")
-    parser.add_argument("--tokenizer-path", metavar="DIR", default=None,
+    parser.add_argument("--tokenizer-path", metavar="DIR", type=directory, default=None,
                         help="local tokenizer directory (default: the model's, else the shipped Qwen3 one)")
     parser.add_argument("--context-length", metavar="N", type=whole(9), default=defaults.context_length,
                         help="most tokens of prompt + output")
-    parser.add_argument("--replay-path", metavar="FILE", default=None,
+    parser.add_argument("--replay-path", metavar="FILE", type=replay, default=None,
                         help="JSON/JSONL script of assistant turns to replay (default: sample from the model)")
     parser.add_argument("--weight-version", default=defaults.weight_version, help="the weight version replies report")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of requests that carry no sampling_seed")
