@@ -293,9 +293,9 @@ def test_soak_and_bench_stop_before_starting_when_the_sandbox_cannot_work(capsys
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["--port", "70000"], "argument --port: must be a port number from 0 to 65535, got '70000'"),
-    (["--replay-path", "nope.jsonl"], "argument --replay-path: cannot read 'nope.jsonl'"),
+    (["--replay-path", "nope.jsonl"], "argument --replay-path: cannot read 'nope.jsonl' (No such file or directory)"),
     (["--model-path", "nope"], "argument --model-path: 'nope' is not a directory"),
-    (["--context-length", "5"], "argument --context-length: must be a whole number >= 9"),
+    (["--context-length", "5"], "argument --context-length: must be a whole number >= 9, got '5'"),
 ])
 def test_serve_refuses_bad_arguments_before_loading_anything(tmp_path: Path, argv: list[str], says: str) -> None:
     got = engine("serve", *argv, cwd=tmp_path)
