@@ -18,7 +18,7 @@ _original_fire = RolloutMachine.fire
 def _recording_fire(self: RolloutMachine, r: Any, trigger: str) -> bool:
     ok = _original_fire(self, r, trigger)
     if ok:
-        TAKEN_EDGES.add(tuple(r.trace[-1]))
+        TAKEN_EDGES.add(tuple(r.record.trace[-1]))
     return ok
 
 
@@ -38,7 +38,7 @@ def fake_interpreter() -> Iterator[Any]:
     """Replace the code interpreter by an in-process fake for the test's duration."""
     from tests.support.helpers import FakeInterpreter
 
-    with tools.registered(FakeInterpreter()) as fake:
+    with tools.registry.registered(FakeInterpreter()) as fake:
         yield fake
 
 

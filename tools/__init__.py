@@ -1,15 +1,18 @@
-"""Tools the model can call, registered by name. Importing this package registers the built-ins.
+"""Tools the model can call: the tool author's API. Importing this package registers the built-ins.
 
-Built-ins: `code_interpreter` (Python in an isolated subprocess, as slime's retool
-example names it) and `python_session` (a stateful Python session per trajectory, the
-example of writing your own tool). See tools/registry.py for the protocol.
+Write a tool in one file: subclass `Tool` (or decorate an async function with `@tool`),
+`register` it at import, and name the module in `engine_tool_modules`. It gets a state of its
+own in the rollout machine, the diagrams and the edge-coverage test. `tools.registry` holds
+the rest (argument checking, test helpers); `tools.sandbox` is the isolation the built-ins
+run model-written code in, and no tool author needs to open it.
+
+Built-ins: `code_interpreter` (Python in an isolated subprocess, as slime's retool example
+names it) and `python_session` (a stateful Python session per trajectory: the worked example
+of writing your own tool).
 """
 
-from tools.registry import (
-    Tool, ToolError, ToolResult, check_arguments, get, names, register, registered, tool, unregister,
-)
-from tools import code_interpreter, python_session  # noqa: E402,F401  (registers the built-ins)
+from tools.registry import Tool, ToolError, ToolResult, call_timeout, get, names, register, tool
 
-__all__ = [
-    "Tool", "ToolError", "ToolResult", "check_arguments", "get", "names", "register", "registered", "tool", "unregister",
-]
+from tools import code_interpreter, python_session  # noqa: E402,F401,I001  (registers the built-ins)
+
+__all__ = ["Tool", "ToolError", "ToolResult", "call_timeout", "get", "names", "register", "tool"]

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from tools.registry import Tool, ToolError, ToolResult, register
+from tools.registry import Tool, ToolError, ToolResult, call_timeout, register
 from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
 
 _TRACEBACK = "Traceback (most recent call last):\n"
@@ -87,7 +87,7 @@ class CodeInterpreter(Tool):
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             raise ToolError("bad_arguments", "Error: No code provided")
-        limits = self.limits
+        limits = attrs.evolve(self.limits, timeout_s=call_timeout(self.limits.timeout_s))
         try:
             result = await run_python(code, limits)
         except SandboxError as e:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import attrs
 
 from tools.code_interpreter import current_limits, format_result
-from tools.registry import Tool, ToolError, ToolResult, register
+from tools.registry import Tool, ToolError, ToolResult, call_timeout, register
 from tools.sandbox.runner import SandboxError, SandboxLimits, run_python
 
 # Runs in the sandbox; reads the cells as JSON on stdin, so no code is pasted into code.
@@ -88,7 +88,8 @@ class PythonSession(Tool):
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             raise ToolError("bad_arguments", "Error: No code provided")
-        limits = self.limits or current_limits()
+        base = self.limits or current_limits()
+        limits = attrs.evolve(base, timeout_s=call_timeout(base.timeout_s))
         async with state.lock:
             cells = [*state.cells, code]
             try:

@@ -18,7 +18,9 @@ or, for a tool that keeps state per trajectory, subclass `Tool` and override
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
+import re
 import types
 import typing
 from collections.abc import Awaitable, Callable, Iterator
@@ -140,16 +142,54 @@ class _FunctionTool(Tool):
         return await self._fn(**arguments)
 
 
+_CALL_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar("tool_call_timeout", default=None)
+
+
+def call_timeout(default: float) -> float:
+    """Seconds the running call may take, as the engine's settings say (`default` outside a call).
+
+    A tool that enforces its own time limit reads it here; it travels with the call, so two
+    runtimes with different settings in one process never overwrite each other's.
+    """
+    seconds = _CALL_TIMEOUT.get()
+    return default if seconds is None else seconds
+
+
+@contextlib.contextmanager
+def call_timeout_set(seconds: float) -> Iterator[None]:
+    """Run the block (one tool call) with `seconds` as its time limit (for `call_timeout`)."""
+    token = _CALL_TIMEOUT.set(seconds)
+    try:
+        yield
+    finally:
+        _CALL_TIMEOUT.reset(token)
+
+
 _REGISTRY: dict[str, Tool] = {}
 _version = 0
+
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+# Checks a tool's name must pass besides its form; the engine's machine adds one (a tool's state
+# may not be a core state). This module knows nothing of the engine: the arrow runs one way.
+_name_checks: list[Callable[[str], None]] = []
+
+
+def add_name_check(check: Callable[[str], None]) -> None:
+    """Refuse, from now on, names for which `check` raises ValueError; tools registered already are checked now."""
+    for name in _REGISTRY:
+        check(name)
+    _name_checks.append(check)
 
 
 def register(tool: Tool, *, replace: bool = False) -> Tool:
     """Add a tool instance to the registry under `tool.name` (lowercase letters, digits, _)."""
     global _version
     name = tool.name
-    if not name or not name.replace("_", "").isalnum() or not name.isascii() or name != name.lower():
-        raise ValueError(f"tool name must be lowercase [a-z0-9_]+, got {name!r}")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"tool name must be lowercase letters, digits and _, starting with a letter; got {name!r}")
+    for check in _name_checks:
+        check(name)
     if name in _REGISTRY and not replace and _REGISTRY[name] is not tool:
         raise ValueError(f"a tool named {name!r} is already registered")
     _REGISTRY[name] = tool

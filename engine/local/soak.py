@@ -1,6 +1,6 @@
 """`python -m engine soak`: many samples through a faulty embedded server, each one checked.
 
-The embedded server replays the demo's scripted turns (`engine/demo/replay.jsonl`) and injects
+The embedded server replays the demo's scripted turns (`engine/local/demo/replay.jsonl`) and injects
 faults at the `--faults` rates (default: the `default` preset of `engine.local.server.faults`); the
 tool calls run for real in the sandbox (`code_interpreter`). The client's request timeout is
 shorter than an injected stall, so stalls end in client timeouts and retries.

@@ -1,10 +1,11 @@
 """The per-sample loop: do a state's I/O, fire the trigger it yields, repeat until terminal.
 
-Each non-terminal state has one step: a coroutine that awaits what the state needs
-(an HTTP reply, tool results), stores it on the `Rollout`, and names the trigger. The
-machine then picks the edge by its guards. Nothing raised in a step escapes: an error
-fires `crashed`, a cancellation fires `cancelled` (and is re-raised), a broken
-invariant fires `invariant_violated`.
+A state that needs no I/O fires the trigger its definition names (`StateDef.fires`) at
+once. The others have a step here: a coroutine that awaits what the state needs (an
+HTTP reply, tool results), stores it in the rollout's turn scratch, and names the
+trigger. The machine then picks the edge by its guards. Nothing raised in a step
+escapes: an error fires `crashed`, a cancellation fires `cancelled` (and is re-raised), a
+broken invariant fires `invariant_violated`.
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import tools
-from engine.machine import checkpoint
-from engine.machine.table import BUDGET_CHECK, GENERATE, RESET, RESUME, TERMINALS, TOOL_CALL, TRIM, RolloutMachine, get_machine
-from engine.machine.rollout import Rollout
 from engine.loop.runtime import Runtime
 from engine.loop.text import IncrementalText
+from engine.machine import checkpoint
+from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
+from engine.machine.states import TERMINALS, State, Trigger
+from engine.machine.table import RolloutMachine, get_machine
 from engine.machine.trajectory import InvariantViolation
 from engine.sglang.wire import Failure
 
-Step = Callable[[Runtime, Rollout], Awaitable[str]]
-FAILURE_TRIGGERS = {"context_exceeded": "context_rejected", "rejected": "request_rejected", "unavailable": "request_failed"}
+StateStep = Callable[[Runtime, Rollout], Awaitable[str]]
+FAILURE_TRIGGERS = {
+    "context_exceeded": Trigger.CONTEXT_REJECTED,
+    "rejected": Trigger.REQUEST_REJECTED,
+    "unavailable": Trigger.REQUEST_FAILED,
+}
 
 
 class NoEdge(RuntimeError):
@@ -32,94 +38,83 @@ class NoEdge(RuntimeError):
 
 
 async def step_reset(rt: Runtime, r: Rollout) -> str:
-    r.prompt_ids = await rt.prompt_ids(r.prompt, r.allowed_tools)
-    if not (r.cfg.partial_rollout and r.saved is not None):
-        return "start"
-    restored = checkpoint.validate(r.saved, r.prompt_ids, r.cfg.mask_offpolicy)
+    """Render the prompt; with a partial-rollout checkpoint, validate it against the prompt."""
+    r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools)
+    saved = r.inputs.saved
+    if not (r.cfg.partial_rollout and saved is not None):
+        return Trigger.START
+    restored = checkpoint.validate(saved, r.prompt_ids, r.cfg.mask_offpolicy)
     if isinstance(restored, str):
         r.resume_rejected = restored
     else:
         r.resume = restored
         if restored.resume_at == "tools":  # the cut-off calls are read again from their turn
             last = restored.traj.segments[-1]
-            r.turn = rt.profile.parse_turn(rt.profile.decode(restored.traj.response_ids[last.start : last.end].tolist()))
-    return "resume"
-
-
-async def step_resume(rt: Runtime, r: Rollout) -> str:
-    return "continue"
-
-
-async def step_budget_check(rt: Runtime, r: Rollout) -> str:
-    return "check"
+            text = rt.profile.decode(restored.traj.response_ids[last.start : last.end].tolist())
+            r.turn = TurnScratch(text=text, parsed=rt.profile.parse_turn(text))
+    return Trigger.RESUME
 
 
 async def step_generate(rt: Runtime, r: Rollout) -> str:
+    """One `/generate` request; the reply's text is decoded once and parsed."""
     started = time.perf_counter()
     outcome = await rt.client.generate(
-        r.traj.input_ids(), r.sampling_params, r.max_new_tokens, routing_key=r.routing_key
+        r.traj.input_ids(), r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key
     )
-    r.generation_time += time.perf_counter() - started
-    r.reply, r.turn = None, None
+    r.record.generation_time += time.perf_counter() - started
     if isinstance(outcome, Failure):
-        r.error = f"{outcome.kind}: {outcome.message}"
+        r.turn = TurnScratch()
+        r.record.error = f"{outcome.kind}: {outcome.message}"
         return FAILURE_TRIGGERS[outcome.kind]
-    r.reply = outcome
+    r.turn = TurnScratch(reply=outcome)
     if outcome.problem is None:
         # A resumed turn continues the tokens it had: parse the whole turn, not the tail.
         before = r.traj.response_ids[r.traj.response_length - r.partial_turn_tokens :].tolist() if r.partial_turn_tokens else []
-        r.turn = rt.profile.parse_turn(rt.profile.decode(before + outcome.ids))
+        r.turn.text = rt.profile.decode(before + outcome.ids)
+        r.turn.parsed = rt.profile.parse_turn(r.turn.text)
     else:
-        r.error = f"{outcome.problem}: {outcome.problem_detail}"
-    return "reply"
+        r.record.error = f"{outcome.problem}: {outcome.problem_detail}"
+    return Trigger.REPLY
 
 
 async def step_tool_call(rt: Runtime, r: Rollout) -> str:
-    if r.calls:
-        return "dispatch"
-    assert r.turn is not None
-    order = {id(call): i for i, call in enumerate(r.turn.calls)}  # answers in the turn's call order
-    results = sorted(r.results, key=lambda res: order.get(id(res.call), len(order)))
+    """Hand planned calls to their tools' states; once all are answered, build the observation."""
+    if r.turn.pending_calls:
+        return Trigger.DISPATCH
+    parsed = r.turn.parsed
+    assert parsed is not None
+    refused = [rt.tool_runner.refuse(call, kind) for call, kind in r.turn.refused]
+    order = {id(call): i for i, call in enumerate(parsed.calls)}  # answers in the turn's call order
+    results = sorted([*r.turn.results, *refused], key=lambda res: order.get(id(res.call), len(order)))
+    for res in results:
+        r.record.tools.count(res)
+    r.turn.results = results
     last = r.traj.response_ids[-1] if r.traj.response_length else None
-    r.observation_ids = rt.profile.observation_ids(r.turn, results, last)
-    return "observe"
-
-
-async def step_trim(rt: Runtime, r: Rollout) -> str:
-    return "trim"
+    r.turn.observation_ids = rt.profile.observation_ids(parsed, results, last)
+    return Trigger.OBSERVE
 
 
 async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     """A tool state's step: run every waiting call to this tool, concurrently."""
-    mine = [c for c in r.calls if c.name == name]
-    r.calls = [c for c in r.calls if c.name != name]
+    mine = [c for c in r.turn.pending_calls if c.name == name]
+    r.turn.pending_calls = [c for c in r.turn.pending_calls if c.name != name]
     tool = tools.get(name)
     assert tool is not None, f"tool {name} left the registry mid-rollout"
     started = time.perf_counter()
-    if name not in r.tool_states:
-        r.tool_states[name] = await tool.create()
-    results = await asyncio.gather(*(rt.tool_runner.call(tool, r.tool_states[name], c) for c in mine))
+    if name not in r.tool_sessions:
+        r.tool_sessions[name] = await tool.create()
+    results = await asyncio.gather(*(rt.tool_runner.call(tool, r.tool_sessions[name], c) for c in mine))
     elapsed = time.perf_counter() - started
-    r.tool_time += elapsed
-    stats = r.tool_stats
-    stats["calls"] = stats.get("calls", 0) + len(results)
-    stats["seconds"] = stats.get("seconds", 0.0) + elapsed
-    for res in results:
-        if res.error:
-            r.count_tool_error(res.error)
-            if res.error == "timeout":
-                stats["timeouts"] = stats.get("timeouts", 0) + 1
-    r.results.extend(results)
-    return "tool_done"
+    r.record.tools.calls += len(results)
+    r.record.tools.seconds += elapsed
+    r.turn.results.extend(results)
+    return Trigger.TOOL_DONE
 
 
-STEPS: dict[str, Step] = {
-    RESET: step_reset,
-    RESUME: step_resume,
-    BUDGET_CHECK: step_budget_check,
-    GENERATE: step_generate,
-    TOOL_CALL: step_tool_call,
-    TRIM: step_trim,
+STEPS: dict[str, StateStep] = {
+    State.RESET: step_reset,
+    State.GENERATE: step_generate,
+    State.TOOL_CALL: step_tool_call,
 }
 
 
@@ -133,12 +128,39 @@ def _fire_fault(machine: RolloutMachine, r: Rollout, trigger: str) -> None:
     try:
         _fire(machine, r, trigger)
     except Exception as exc:  # the machine itself is broken: keep the batch alive anyway
-        r.error = f"{r.error or ''}; {trigger} failed: {exc}"
+        r.record.error = f"{r.record.error or ''}; {trigger} failed: {exc}"
         r.traj.reset(r.prompt_ids)
-        r.trace.append((r.state, trigger, "ABORTED"))
-        r.guards.append(None)
-        r.state = "ABORTED"
-        r.reason = r.reason or f"{trigger}_failed"
+        r.record.trace.append((r.state, str(trigger), State.ABORTED.value))
+        r.record.guards.append(None)
+        r.state = State.ABORTED.value
+        r.record.reason = r.record.reason or f"{trigger}_failed"
+
+
+async def _next_trigger(rt: Runtime, r: Rollout, machine: RolloutMachine) -> str:
+    """The trigger of `r`'s state: the one its definition fires at once, or its step's."""
+    definition = machine.spec.defs[r.state]
+    if definition.fires is not None:
+        return definition.fires
+    tool_name = machine.spec.tool_states.get(r.state)
+    if tool_name is not None:
+        return await run_tool_calls(rt, r, tool_name)
+    return await STEPS[r.state](rt, r)
+
+
+def _sync_text(text: IncrementalText, r: Rollout, trigger: str, start: int, turn: TurnScratch, resumed_tokens: int) -> None:
+    """Keep `r.text` equal to decode(response ids), using the turn's own decode when it fits.
+
+    Only a `reply` edge that appended the turn's ids whole can reuse the turn's text, and
+    not when the turn continued a resumed one (`resumed_tokens` > 0: its text starts with
+    tokens already in the response).
+    """
+    reply = turn.reply
+    grew_by_turn = (trigger == Trigger.REPLY and reply is not None and turn.text and not resumed_tokens
+                    and r.traj.response_length == start + len(reply.ids))
+    if not (grew_by_turn and text.take(start, r.traj.response_length, turn.text)):
+        r.text = text.sync(r.traj.response_ids)
+    else:
+        r.text = text.current
 
 
 async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) -> Rollout:
@@ -147,26 +169,23 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
     text = IncrementalText(rt.profile.decode)
     try:
         while r.state not in TERMINALS:
-            tool_name = machine.spec.tool_states.get(r.state)
             try:
-                if tool_name is not None:
-                    trigger = await run_tool_calls(rt, r, tool_name)
-                else:
-                    trigger = await STEPS[r.state](rt, r)
+                trigger = await _next_trigger(rt, r, machine)
+                start, turn, resumed = r.traj.response_length, r.turn, r.partial_turn_tokens
                 _fire(machine, r, trigger)
-                r.text = text.sync(r.traj.response_ids)
+                _sync_text(text, r, trigger, start, turn, resumed)
             except asyncio.CancelledError:
-                r.error = "cancelled while in " + r.state
-                _fire_fault(machine, r, "cancelled" if machine.can(r, "cancelled") else "crashed")
+                r.record.error = "cancelled while in " + r.state
+                _fire_fault(machine, r, Trigger.CANCELLED if machine.can(r, Trigger.CANCELLED) else Trigger.CRASHED)
                 raise
             except Exception as exc:
-                r.error = f"{type(exc).__name__}: {exc}"
-                _fire_fault(machine, r, "crashed")
-            if r.violation is not None:
-                _fire_fault(machine, r, "invariant_violated")
+                r.record.error = f"{type(exc).__name__}: {exc}"
+                _fire_fault(machine, r, Trigger.CRASHED)
+            if r.record.violation is not None:
+                _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)
         finish(rt, r, machine, text)
     finally:
-        await release_tool_states(r)
+        await release_tool_sessions(r)
     return r
 
 
@@ -176,36 +195,44 @@ def finish(rt: Runtime, r: Rollout, machine: RolloutMachine, text: IncrementalTe
         r.text = text.sync(r.traj.response_ids)
         r.traj.check(max_total_length=r.budget_at_end(), full=True, decode=rt.profile.decode, text=r.text)
     except Exception as exc:  # InvariantViolation, or a decode that failed
-        r.violation = str(exc) if isinstance(exc, InvariantViolation) else f"text: {exc}"
-        if r.state != "ABORTED":
-            _fire_fault(machine, r, "invariant_violated")
+        r.record.violation = str(exc) if isinstance(exc, InvariantViolation) else f"text: {exc}"
+        if r.state != State.ABORTED:
+            _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)
         r.text = rt.profile.decode(r.traj.response_ids.tolist())
 
 
-async def release_tool_states(r: Rollout) -> None:
-    """Give every tool its per-trajectory state back, whatever happened."""
-    for name, state in list(r.tool_states.items()):
+async def release_tool_sessions(r: Rollout) -> None:
+    """Give every tool its per-trajectory session back, whatever happened."""
+    for name, session in list(r.tool_sessions.items()):
         tool = tools.get(name)
         try:
             if tool is not None:
-                await asyncio.shield(tool.release(state))
+                await asyncio.shield(tool.release(session))
         except Exception:  # a release failure must not hide the sample's own outcome
             pass
-    r.tool_states.clear()
+    r.tool_sessions.clear()
 
 
 def new_rollout(
-    rt: Runtime, prompt: Any, sampling_params: dict[str, Any], *, tools_requested: Any = None, **fields: Any
+    rt: Runtime,
+    prompt: Any,
+    sampling_params: dict[str, Any],
+    *,
+    tools_requested: Any = None,
+    routing_key: str | None = None,
+    saved: Saved | None = None,
 ) -> Rollout:
     """A rollout at RESET for a prompt. `tools_requested` narrows the tools (a sample's own list)."""
-    params = dict(sampling_params)
+    params = dict(sampling_params)  # the caller's dict is never changed (slime shares one in evaluation)
     asked = params.get("max_new_tokens")
-    return Rollout(
+    inputs = Inputs(
         rt.cfg,
-        abort_check=rt.abort_requested,
         prompt=prompt,
         sampling_params=params,
         asked_max_new_tokens=None if asked is None else int(asked),
+        routing_key=routing_key,
         allowed_tools=rt.allowed_tools(tools_requested),
-        **fields,
+        abort_check=rt.abort_requested,
+        saved=saved,
     )
+    return Rollout(inputs)

@@ -72,7 +72,6 @@ class Runtime:
         """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
         for module in cfg.tool_modules:
             importlib.import_module(module)
-        configure_builtin_tools(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
             freeze_long_lived_objects()
@@ -112,14 +111,3 @@ def freeze_long_lived_objects() -> None:
         gc.collect()
         gc.freeze()
         _frozen = True
-
-
-def configure_builtin_tools(cfg: EngineConfig) -> None:
-    """Give the shipped code interpreter the configured time limit."""
-    try:
-        from tools import code_interpreter
-    except ImportError:  # pragma: no cover - shipped with the package
-        return
-    configure = getattr(code_interpreter, "configure", None)
-    if configure is not None:
-        configure(timeout_s=cfg.tool_timeout)

@@ -21,6 +21,23 @@ class IncrementalText:
         self._committed = ""
         self._done = 0  # ids whose text is in `_committed`
 
+    @property
+    def current(self) -> str:
+        """The committed text (all of it after a successful `take`)."""
+        return self._committed
+
+    def take(self, start: int, end: int, text: str) -> bool:
+        """Commit `text`, already decoded by the caller, as the text of ids[start:end].
+
+        Accepted only at a clean boundary: every id before `start` is committed and `text`
+        does not end in a split character. Then the turn's ids are not decoded a second time.
+        """
+        if self._done != start or text.endswith(REPLACEMENT):
+            return False
+        self._committed += text
+        self._done = end
+        return True
+
     def sync(self, ids: array) -> str:
         """The text of `ids`; a shorter `ids` (after TRIM) is decoded again from the start."""
         if len(ids) < self._done:

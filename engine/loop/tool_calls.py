@@ -1,9 +1,15 @@
-"""Running tool calls: one concurrency limit, a time limit, errors as observations."""
+"""Running tool calls: one concurrency limit, a time limit per call, every tool error built here.
+
+Whatever goes wrong with a call (it could not be parsed, names an unknown tool, exceeds the
+turn's or the trajectory's budget, has bad arguments, times out, crashes the tool, or its
+output is too long) becomes an error observation for the model, written by this module and
+counted by its kind. The call's time limit travels with the call (`tools.call_timeout()`
+inside the tool), so runtimes with different settings never overwrite each other's.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import tools
@@ -12,6 +18,10 @@ from engine.profiles.base import CallResult, ToolCall
 
 TRUNCATION_MARKER = "\n...[tool output truncated: {n} characters dropped]"
 GRACE_SECONDS = 5.0  # tools enforce their own timeout; this is the engine's backstop
+REFUSALS = {  # calls answered without running, by kind
+    "unknown_tool": "Error: unknown tool {name!r}",
+    "surplus_call": "Error: too many tool calls in this turn; this one was not run",
+}
 
 
 class ToolRunner:
@@ -22,21 +32,27 @@ class ToolRunner:
         self.timeout = cfg.tool_timeout
         self.max_chars = cfg.tool_output_chars
 
-    async def call(self, tool: tools.Tool, state: Any, call: ToolCall) -> CallResult:
+    def refuse(self, call: ToolCall, kind: str) -> CallResult:
+        """The answer to a call the turn's plan did not run: unparsable, unknown, or over budget."""
+        template = REFUSALS.get(kind)
+        text = template.format(name=call.name) if template else f"Error: {call.detail or kind}"
+        return CallResult(call, text, kind)
+
+    async def call(self, tool: tools.Tool, session: Any, call: ToolCall) -> CallResult:
         """One call; never raises except on cancellation. The slot is taken once per call."""
-        started = time.perf_counter()
-        text, error = await self._execute(tool, state, call)
+        text, error = await self._execute(tool, session, call)
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + TRUNCATION_MARKER.format(n=len(text) - self.max_chars)
             error = error or "output_truncated"
-        return CallResult(call, text, error, time.perf_counter() - started)
+        return CallResult(call, text, error)
 
-    async def _execute(self, tool: tools.Tool, state: Any, call: ToolCall) -> tuple[str, str | None]:
+    async def _execute(self, tool: tools.Tool, session: Any, call: ToolCall) -> tuple[str, str | None]:
         try:
             schema = tool.schema()["function"]["parameters"]
-            arguments = tools.check_arguments(schema, call.arguments)
+            arguments = tools.registry.check_arguments(schema, call.arguments)
             async with self.slots:
-                out = await asyncio.wait_for(tool.execute(state, **arguments), self.timeout + GRACE_SECONDS)
+                with tools.registry.call_timeout_set(self.timeout):
+                    out = await asyncio.wait_for(tool.execute(session, **arguments), self.timeout + GRACE_SECONDS)
         except tools.ToolError as exc:
             return f"Error: {exc.message}", exc.kind
         except asyncio.TimeoutError:

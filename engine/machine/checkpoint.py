@@ -16,27 +16,14 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Any, Literal
+from typing import Any
 
-import attrs
 
-from engine.machine.rollout import Restored, ResumeAt, Rollout
+from engine.machine.rollout import Restored, ResumeAt, Rollout, Saved
+from engine.machine.states import State
 from engine.machine.trajectory import Segment, Trajectory
 
 VERSION = 1
-
-
-@attrs.frozen
-class Saved:
-    """What an earlier attempt left on the sample, as plain values: the checkpoint and the arrays."""
-
-    checkpoint: Any
-    tokens: list[int]
-    response_length: int
-    loss_mask: list[int]
-    logprobs: list[float]
-    top_p_ids: Any = None
-    top_p_offsets: Any = None
 
 
 def _sha(*parts: array) -> str:
@@ -53,17 +40,22 @@ def _top_p_arrays(kept: Any, offsets: Any) -> tuple[array, ...]:
     return array("i", list(kept)), array("i", list(offsets))
 
 
-def resume_point(r: Rollout) -> ResumeAt:
+def resume_point(r: Rollout, tool_states: frozenset[str]) -> ResumeAt:
     """Where an aborted rollout continues: its tools if it stopped while running them."""
-    source = r.trace[-1][0] if r.trace else "GENERATE"
-    in_tools = source == "TOOL_CALL" or source.startswith("TOOL_") or source == "RESUME" and bool(r.calls)
+    trace = r.record.trace
+    source = trace[-1][0] if trace else State.GENERATE
+    in_tools = source == State.TOOL_CALL or source in tool_states or (source == State.RESUME and bool(r.turn.pending_calls))
     return "tools" if in_tools and r.traj.segments and r.traj.segments[-1].kind == "model" else "generate"
 
 
-def make_checkpoint(r: Rollout) -> dict[str, Any]:
-    """What a later call needs to continue `r` and to prove the sample was not changed since."""
+def make_checkpoint(r: Rollout, tool_states: frozenset[str]) -> dict[str, Any]:
+    """What a later call needs to continue `r` and to prove the sample was not changed since.
+
+    `tool_states` are the machine's tool states (a sample stopped in one resumes its calls).
+    """
     t = r.traj
-    at = resume_point(r)
+    at = resume_point(r, tool_states)
+    trace = r.record.trace
     last = t.segments[-1] if t.segments else None
     partial = last.end - last.start if at == "generate" and last is not None and last.kind == "model" else 0
     return {
@@ -76,9 +68,9 @@ def make_checkpoint(r: Rollout) -> dict[str, Any]:
         "resume_at": at,
         "partial_turn_tokens": partial,
         # A turn the abort cut short is not counted: the resumed one takes its place.
-        "turns": r.turns - (1 if r.trace and r.trace[-1][0] == "GENERATE" and r.reply is not None else 0),
-        "tool_calls": r.tool_calls_before_turn if at == "tools" else r.tool_calls,
-        "turn_log": list(r.turn_log),
+        "turns": r.turn_count - (1 if trace and trace[-1][0] == State.GENERATE and r.turn.reply is not None else 0),
+        "tool_calls": r.tool_calls_before_turn if at == "tools" else r.tool_call_count,
+        "turn_log": list(r.record.turn_log),
         "attempt": r.attempt,
     }
 

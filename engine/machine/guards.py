@@ -13,15 +13,15 @@ from engine.machine.rollout import Rollout
 Guard = Callable[[Rollout], bool]
 
 
+def otherwise(r: Rollout) -> bool:
+    """The last row of a (source, trigger) group: taken when no row above it was (drawn `[else]`)."""
+    return True
+
+
 # -- RESET / RESUME (partial rollout) -------------------------------------------------
 def checkpoint_valid(r: Rollout) -> bool:
     """The sample's checkpoint matches its fields: continue where it stopped."""
     return r.resume is not None
-
-
-def checkpoint_rejected(r: Rollout) -> bool:
-    """The checkpoint does not match the sample (edited, another prompt, lengths off)."""
-    return r.resume is None
 
 
 def tools_pending(r: Rollout) -> bool:
@@ -29,91 +29,84 @@ def tools_pending(r: Rollout) -> bool:
     return r.resume is not None and r.resume.resume_at == "tools"
 
 
-def generation_pending(r: Rollout) -> bool:
-    """The sample stopped before or during a generation: the next turn is generated."""
-    return r.resume is not None and r.resume.resume_at == "generate"
-
-
 # -- BUDGET_CHECK ---------------------------------------------------------------------
 def abort_requested(r: Rollout) -> bool:
     """slime (or the caller) is aborting the rollout step: start no new generation."""
-    return r.abort_check()
+    return r.inputs.abort_check()
 
 
 def prompt_over_budget(r: Rollout) -> bool:
     """The prompt alone is longer than the budget: nothing can be generated or trained."""
-    return r.limit is not None and r.traj.prompt_length > r.limit
+    return r.token_budget is not None and r.traj.prompt_length > r.token_budget
 
 
 def context_full(r: Rollout) -> bool:
     """No token of room is left: the prompt (and response) fill the budget exactly or more."""
-    return r.limit is not None and r.traj.total_length >= r.limit
+    return r.token_budget is not None and r.traj.total_length >= r.token_budget
 
 
 def max_turns_reached(r: Rollout) -> bool:
     """The model has had all its turns."""
-    return r.turns >= r.cfg.max_turns
+    return r.turn_count >= r.cfg.max_turns
 
 
 def no_new_tokens_asked(r: Rollout) -> bool:
     """The sampling params ask for `max_new_tokens` <= 0: nothing may be generated."""
-    return r.asked_max_new_tokens is not None and r.asked_max_new_tokens <= 0
-
-
-def room_left(r: Rollout) -> bool:
-    """No budget is spent: another turn may be generated."""
-    return not (abort_requested(r) or context_full(r) or max_turns_reached(r) or no_new_tokens_asked(r))
+    asked = r.inputs.asked_max_new_tokens
+    return asked is not None and asked <= 0
 
 
 # -- GENERATE: reading the reply ------------------------------------------------------
 def reply_unusable(r: Rollout) -> bool:
     """Nothing of the reply can be trained on: no meta_info, no or mismatched logprobs, ids or
     values out of range... The reply's own problem name is recorded as the reason."""
-    return r.reply is None or r.reply.problem is not None
+    return r.turn.reply is None or r.turn.reply.problem is not None
 
 
 def top_p_replay_dropped(r: Rollout) -> bool:
     """Earlier turns carry top-p replay but this one has none (a mixed or restarted server)."""
-    return r.reply is not None and bool(r.reply.ids) and r.reply.top_p is None and r.traj.top_p_offsets is not None
+    reply = r.turn.reply
+    return reply is not None and bool(reply.ids) and reply.top_p is None and r.traj.top_p_offsets is not None
 
 
 def server_aborted(r: Rollout) -> bool:
     """The server aborted the request (weight update, `/abort_request`, disconnect)."""
-    return r.reply is not None and r.reply.finish == "abort"
+    return r.turn.reply is not None and r.turn.reply.finish == "abort"
 
 
 def reply_over_budget(r: Rollout) -> bool:
     """The server sent more tokens than the budget has room for (an abort's extra step too)."""
-    return r.reply is not None and r.limit is not None and r.traj.total_length + len(r.reply.ids) > r.limit
+    reply, budget = r.turn.reply, r.token_budget
+    return reply is not None and budget is not None and r.traj.total_length + len(reply.ids) > budget
 
 
 def finished_length(r: Rollout) -> bool:
     """The turn hit its `max_new_tokens`."""
-    return r.reply is not None and r.reply.finish == "length"
+    return r.turn.reply is not None and r.turn.reply.finish == "length"
 
 
 def answered(r: Rollout) -> bool:
     """The model gave its final answer (or, in the chat profile, ended without a call)."""
-    return r.turn is not None and r.turn.action == "answer"
+    return r.turn.parsed is not None and r.turn.parsed.action == "answer"
 
 
 def _wants_tools(r: Rollout) -> bool:
-    return r.turn is not None and r.turn.action == "tool"
+    return r.turn.parsed is not None and r.turn.parsed.action == "tool"
 
 
 def tool_calls_exhausted(r: Rollout) -> bool:
     """The turn calls a tool but the trajectory has used all its tool calls."""
-    return _wants_tools(r) and r.tool_calls >= r.cfg.max_tool_calls
+    return _wants_tools(r) and r.tool_call_count >= r.cfg.max_tool_calls
 
 
 def calls_tool(r: Rollout) -> bool:
-    """The turn calls a tool, with calls left."""
-    return _wants_tools(r) and r.tool_calls < r.cfg.max_tool_calls
+    """The turn calls a tool (with calls left: the row above took the exhausted case)."""
+    return _wants_tools(r)
 
 
 def invalid_action(r: Rollout) -> bool:
     """The turn neither answers nor calls a tool: the profile answers with a note."""
-    return r.turn is not None and r.turn.action == "invalid"
+    return r.turn.parsed is not None and r.turn.parsed.action == "invalid"
 
 
 # -- TOOL_CALL ------------------------------------------------------------------------
@@ -121,7 +114,7 @@ def calls_for(tool_name: str) -> Guard:
     """Guard of the edge into a tool's own state: a call to that tool is waiting."""
 
     def guard(r: Rollout) -> bool:
-        return any(c.name == tool_name for c in r.calls)
+        return any(c.name == tool_name for c in r.turn.pending_calls)
 
     guard.__name__ = guard.__qualname__ = f"calls_{tool_name}"
     return guard
@@ -129,9 +122,6 @@ def calls_for(tool_name: str) -> Guard:
 
 def observation_over_budget(r: Rollout) -> bool:
     """The observation would push prompt + response past the budget."""
-    return r.limit is not None and r.traj.total_length + len(r.observation_ids) > r.limit
+    budget = r.token_budget
+    return budget is not None and r.traj.total_length + len(r.turn.observation_ids) > budget
 
-
-def observation_fits(r: Rollout) -> bool:
-    """The observation fits the budget (exactly filling it counts as fitting)."""
-    return not observation_over_budget(r)

@@ -1,27 +1,108 @@
-"""The per-sample record the machine moves: its state, trajectory, counters and trace.
+"""The per-sample record the machine moves, split by lifetime.
 
-A `Rollout` is the `transitions` model of one sample. It holds what the guards read
-(the last reply, the parsed turn, the pending tool calls) and what the trace tools
-show afterwards (the path, the termination reason, per-turn records). It never does
-I/O; the driver fills its inputs between triggers.
+* `Inputs`: what the caller hands in for the sample; frozen for its whole life.
+* `TurnScratch`: what one turn's I/O produced (the reply, its text parsed once, the tool
+  calls and their answers, the observation); a new one replaces it every turn, so nothing
+  of a turn leaks into the next and nothing resets it by hand.
+* `Record`: what the trace tools show afterwards (the path, why it ended, per-turn log,
+  tool statistics, times).
+* `Rollout`: the `transitions` model of one sample, holding the three and the trajectory,
+  the counters the guards read, and the partial-rollout bookkeeping. It never does I/O; the
+  driver fills its turn scratch between triggers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import attrs
 
 from engine.config import EngineConfig
-from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.machine.trajectory import Trajectory
+from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.sglang.wire import Reply
 
-if TYPE_CHECKING:
-    from engine.machine.checkpoint import Saved
-
 ResumeAt = Literal["generate", "tools"]
+
+
+def _never() -> bool:
+    return False
+
+
+@attrs.frozen
+class Saved:
+    """What an earlier attempt left on the sample, as plain values: the checkpoint and the arrays."""
+
+    checkpoint: Any
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    logprobs: list[float]
+    top_p_ids: Any = None
+    top_p_offsets: Any = None
+
+
+@attrs.frozen
+class Inputs:
+    """What the caller gives for one sample; the engine never changes it."""
+
+    cfg: EngineConfig
+    prompt: Any = None  # a string or chat messages
+    sampling_params: dict[str, Any] = attrs.field(factory=dict)  # a private copy: never the caller's dict
+    asked_max_new_tokens: int | None = None  # the per-turn cap the sampling params ask for
+    routing_key: str | None = None  # sent as X-SMG-Routing-Key so a sample's turns share a cache
+    allowed_tools: frozenset[str] = frozenset()
+    abort_check: Callable[[], bool] = _never  # cooperative abort (the caller's flag, the runtime's signal)
+    saved: Saved | None = None  # partial rollout: what an earlier attempt left on the sample
+
+
+@attrs.define(eq=False, slots=True)
+class TurnScratch:
+    """One turn's I/O results, read by the guards; replaced whole at the start of every turn."""
+
+    reply: Reply | None = None
+    text: str = ""  # the turn's text, decoded once (parsed, and fed to the running response text)
+    parsed: Turn | None = None
+    pending_calls: list[ToolCall] = attrs.field(factory=list)  # planned calls not yet run by their tool's state
+    refused: list[tuple[ToolCall, str]] = attrs.field(factory=list)  # calls answered with an error, unrun, and why
+    results: list[CallResult] = attrs.field(factory=list)  # answers to this turn's calls
+    observation_ids: list[int] = attrs.field(factory=list)
+
+
+@attrs.define(eq=False, slots=True)
+class ToolStats:
+    """Per-sample tool statistics: calls run, error kinds, timeouts, seconds spent in tools."""
+
+    calls: int = 0
+    errors: dict[str, int] = attrs.field(factory=dict)
+    timeouts: int = 0
+    seconds: float = 0.0
+
+    def count(self, result: CallResult) -> None:
+        """Count one answered call (errors answered without running count as errors only)."""
+        if result.error:
+            self.errors[result.error] = self.errors.get(result.error, 0) + 1
+            if result.error == "timeout":
+                self.timeouts += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "errors": dict(self.errors), "timeouts": self.timeouts, "seconds": self.seconds}
+
+
+@attrs.define(eq=False, slots=True)
+class Record:
+    """What happened: the path (with the guard of each edge), why it ended, per-turn and per-tool records."""
+
+    trace: list[tuple[str, str, str]] = attrs.field(factory=list)
+    guards: list[str | None] = attrs.field(factory=list)
+    reason: str | None = None
+    violation: str | None = None
+    error: str | None = None
+    turn_log: list[dict[str, Any]] = attrs.field(factory=list)
+    weight_versions: list[str] = attrs.field(factory=list)
+    tools: ToolStats = attrs.field(factory=ToolStats)
+    generation_time: float = 0.0
 
 
 @attrs.frozen
@@ -31,72 +112,50 @@ class Restored:
     traj: Trajectory
     resume_at: ResumeAt
     partial_turn_tokens: int
-    turns: int
-    tool_calls: int
+    turn_count: int
+    tool_call_count: int
     turn_log: list[dict[str, Any]]
     attempt: int
-
-
-def _never() -> bool:
-    return False
 
 
 @attrs.define(eq=False, slots=True)
 class Rollout:
     """One sample on its way through the machine."""
 
-    cfg: EngineConfig
+    inputs: Inputs
     state: str = "RESET"
-    prompt: Any = None  # the sample's prompt: a string or chat messages
     traj: Trajectory = attrs.field(factory=Trajectory)
     prompt_ids: list[int] = attrs.field(factory=list)  # rendered by the driver before `start`
-    sampling_params: dict[str, Any] = attrs.field(factory=dict)
-    routing_key: str | None = None  # sent as X-SMG-Routing-Key so a sample's turns share a cache
-    allowed_tools: frozenset[str] = frozenset()
-    limit: int | None = None  # most tokens prompt + response may hold
-    asked_max_new_tokens: int | None = None  # per-turn cap from sampling_params
+    token_budget: int | None = None  # the most tokens prompt + response may hold
     max_new_tokens: int | None = None  # the clamped cap of the next request
-    turns: int = 0
-    tool_calls: int = 0
+    turn_count: int = 0
+    tool_call_count: int = 0
     tool_calls_before_turn: int = 0  # so a resumed turn re-runs its calls within the same budget
-    # Partial rollout: what the caller found on its sample, what RESET made of it, how far the last turn got.
-    saved: Saved | None = None
+    turn: TurnScratch = attrs.field(factory=TurnScratch)
+    record: Record = attrs.field(factory=Record)
+    text: str = ""  # the response text, kept equal to decode(response ids)
+    tool_sessions: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool name
+    # Partial rollout: what RESET made of the caller's checkpoint, and how far the last turn got.
     resume: Restored | None = None
     resume_rejected: str | None = None
     partial_turn_tokens: int = 0
     attempt: int = 1
-    abort_check: Callable[[], bool] = _never  # cooperative abort (slime's or the engine's flag)
-    # What the last I/O step produced; guards read these.
-    reply: Reply | None = None
-    turn: Turn | None = None
-    calls: list[ToolCall] = attrs.field(factory=list)  # calls of this turn still to run
-    results: list[CallResult] = attrs.field(factory=list)  # answers to this turn's calls
-    observation_ids: list[int] = attrs.field(factory=list)
-    # Record of the run.
-    trace: list[tuple[str, str, str]] = attrs.field(factory=list)
-    guards: list[str | None] = attrs.field(factory=list)  # the guard of each traced edge
-    reason: str | None = None
-    violation: str | None = None
-    error: str | None = None
-    text: str = ""
-    weight_versions: list[str] = attrs.field(factory=list)
-    turn_log: list[dict[str, Any]] = attrs.field(factory=list)
-    tool_stats: dict[str, Any] = attrs.field(factory=dict)
-    tool_states: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool
-    generation_time: float = 0.0
-    tool_time: float = 0.0
+
+    @property
+    def cfg(self) -> EngineConfig:
+        return self.inputs.cfg
+
+    @property
+    def reason(self) -> str | None:
+        return self.record.reason
 
     def budget_at_end(self) -> int | None:
         """I2's bound. A prompt longer than the budget may end only with an empty response."""
-        if self.limit is None:
+        if self.token_budget is None:
             return None
-        return max(self.limit, self.traj.prompt_length)
+        return max(self.token_budget, self.traj.prompt_length)
 
     def stop_because(self, reason: str) -> None:
         """Record why the sample ends; the first reason stands (I6)."""
-        if self.reason is None:
-            self.reason = reason
-
-    def count_tool_error(self, kind: str) -> None:
-        errors = self.tool_stats.setdefault("errors", {})
-        errors[kind] = errors.get(kind, 0) + 1
+        if self.record.reason is None:
+            self.record.reason = reason

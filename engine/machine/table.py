@@ -1,11 +1,13 @@
-"""The rollout machine: one table of states, edges and guards, and the machine built from it.
+"""The rollout machine: one table of states, one of edges, and the machine built from them.
 
-Read `core_edges()` top to bottom: each row is an edge `source --trigger [guard]--> dest`
-with the action done on the way. Rows of one (source, trigger) are tried in order; the
-first whose guard holds is taken. Registered tools add a state each (`TOOL_<NAME>`).
+`engine.machine.states` defines every core state once. `core_edges()` is the table of edges, read top to bottom: each
+row is `source --trigger [guard]--> dest` with the actions done on the way. Rows of one
+(source, trigger) are tried in order; the first whose guard holds is taken, and the last
+row of a group is `otherwise` (drawn `[else]`), so a stop added above needs no negation
+below. Registered tools add a state each (`TOOL_<NAME>`).
 
-The runtime machine (`transitions`, sync, `auto_transitions=False`) and the diagrams
-are both built from these rows. There is one machine per process (rebuilt only when the
+The runtime machine (`transitions`, sync, `auto_transitions=False`) and the diagrams are
+both built from these tables. There is one machine per process (rebuilt only when the
 tool registry changes) and no per-sample `add_model`: samples are triggered through
 `machine.events[name].trigger(rollout)`, which costs microseconds, not a machine each.
 After every transition the edge is appended to the sample's trace and the cheap
@@ -17,48 +19,46 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-
 import attrs
-from transitions import EventData, Machine
+from transitions import Machine
 
 import tools
-from engine.machine import actions as a
-from engine.machine import guards as g
+from engine.machine import actions, guards
+from engine.machine.actions import Action
+from engine.machine.guards import Guard, otherwise
 from engine.machine.rollout import Rollout
+from engine.machine.states import BY_NAME, STATES, TERMINALS, State, StateDef, Trigger
 from engine.machine.trajectory import InvariantViolation
 
 logging.getLogger("transitions").setLevel(logging.WARNING)  # 4 log lines per edge otherwise
-
-RESET, RESUME, BUDGET_CHECK, GENERATE, TOOL_CALL, TRIM = "RESET", "RESUME", "BUDGET_CHECK", "GENERATE", "TOOL_CALL", "TRIM"
-COMPLETED, TRUNCATED, ABORTED, FAILED = "COMPLETED", "TRUNCATED", "ABORTED", "FAILED"
-TERMINALS = frozenset({COMPLETED, TRUNCATED, ABORTED, FAILED})
+S, T = State, Trigger
 
 
 @attrs.frozen
 class Edge:
     """One row of the table. `reason` is recorded when the edge ends the sample or trims it."""
 
-    source: str
-    trigger: str
-    dest: str
-    guard: g.Guard | None = None
-    action: a.Action | tuple[a.Action, ...] | None = None
+    source: str = attrs.field(converter=str)  # plain strings: State/Trigger members come in, names go out
+    trigger: str = attrs.field(converter=str)
+    dest: str = attrs.field(converter=str)
+    guard: Guard | None = None
+    actions: tuple[Action, ...] = ()
 
     @property
-    def actions(self) -> tuple[a.Action, ...]:
-        if self.action is None:
-            return ()
-        return self.action if isinstance(self.action, tuple) else (self.action,)
+    def guard_name(self) -> str | None:
+        return self.guard.__name__ if self.guard is not None else None
 
     @property
     def label(self) -> str:
-        """`trigger [guard]`, as the diagrams print it."""
-        return f"{self.trigger} [{self.guard.__name__}]" if self.guard else self.trigger
+        """`trigger [guard]`, as the diagrams print it; the `otherwise` row reads `[else]`."""
+        if self.guard is None:
+            return str(self.trigger)
+        return f"{self.trigger} [{'else' if self.guard is otherwise else self.guard.__name__}]"
 
     @property
     def reason(self) -> str | None:
-        if self.dest in TERMINALS or self.dest == TRIM:
-            return self.guard.__name__ if self.guard else self.trigger
+        if self.dest in TERMINALS or self.dest == State.TRIM:
+            return self.guard.__name__ if self.guard is not None and self.guard is not otherwise else str(self.trigger)
         return None
 
 
@@ -68,45 +68,48 @@ def tool_state(name: str) -> str:
 
 
 def core_edges() -> list[Edge]:
-    """The machine, as a table. Tools' edges are added by `tool_edges`."""
+    """The machine, as a table. Tools' edges are added by `tool_edges`, fault edges by `fault_edges`."""
+    g, a = guards, actions
     E = Edge
+    # fmt: off
     return [
-        # source        trigger               dest          guard                        action
-        E(RESET,        "start",              BUDGET_CHECK, None,                        a.reset_rollout),
-        E(RESET,        "resume",             RESUME,       g.checkpoint_valid,          a.restore_checkpoint),
-        E(RESET,        "resume",             BUDGET_CHECK, g.checkpoint_rejected,       a.reset_rollout),
-        E(RESUME,       "continue",           TOOL_CALL,    g.tools_pending,             a.plan_tool_calls),
-        E(RESUME,       "continue",           BUDGET_CHECK, g.generation_pending),
-        E(BUDGET_CHECK, "check",              ABORTED,      g.abort_requested),
-        E(BUDGET_CHECK, "check",              TRUNCATED,    g.prompt_over_budget),
-        E(BUDGET_CHECK, "check",              TRUNCATED,    g.context_full),
-        E(BUDGET_CHECK, "check",              TRUNCATED,    g.no_new_tokens_asked),
-        E(BUDGET_CHECK, "check",              TRUNCATED,    g.max_turns_reached),
-        E(BUDGET_CHECK, "check",              GENERATE,     g.room_left,                 a.clamp_max_new_tokens),
-        E(GENERATE,     "reply",              ABORTED,      g.reply_unusable,            a.record_unusable_reply),
-        E(GENERATE,     "reply",              ABORTED,      g.top_p_replay_dropped,      a.record_unusable_reply),
-        E(GENERATE,     "reply",              TRIM,         g.reply_over_budget,         a.append_model_turn),
-        E(GENERATE,     "reply",              ABORTED,      g.server_aborted,            a.append_model_turn),
-        E(GENERATE,     "reply",              TRUNCATED,    g.finished_length,           a.append_model_turn),
-        E(GENERATE,     "reply",              COMPLETED,    g.answered,                  a.append_model_turn),
-        E(GENERATE,     "reply",              TRUNCATED,    g.tool_calls_exhausted,      a.append_model_turn),
-        E(GENERATE,     "reply",              TOOL_CALL,    g.calls_tool,                (a.append_model_turn, a.plan_tool_calls)),
-        E(GENERATE,     "reply",              TOOL_CALL,    g.invalid_action,            (a.append_model_turn, a.plan_tool_calls)),
-        E(GENERATE,     "context_rejected",   TRUNCATED),
-        E(GENERATE,     "request_failed",     ABORTED),
-        E(GENERATE,     "request_rejected",   FAILED),
-        E(TOOL_CALL,    "observe",            TRIM,         g.observation_over_budget,   a.append_observation),
-        E(TOOL_CALL,    "observe",            BUDGET_CHECK, g.observation_fits,          a.append_observation),
-        E(TRIM,         "trim",               TRUNCATED,    None,                        a.trim_to_budget),
+        # source          trigger               dest            guard                       actions
+        E(S.RESET,        T.START,              S.BUDGET_CHECK, None,                       (a.reset_rollout,)),
+        E(S.RESET,        T.RESUME,             S.RESUME,       g.checkpoint_valid,         (a.restore_checkpoint,)),
+        E(S.RESET,        T.RESUME,             S.BUDGET_CHECK, otherwise,                  (a.reset_rollout,)),
+        E(S.RESUME,       T.CONTINUE,           S.TOOL_CALL,    g.tools_pending,            (a.plan_tool_calls,)),
+        E(S.RESUME,       T.CONTINUE,           S.BUDGET_CHECK, otherwise),
+        E(S.BUDGET_CHECK, T.CHECK,              S.ABORTED,      g.abort_requested),
+        E(S.BUDGET_CHECK, T.CHECK,              S.TRUNCATED,    g.prompt_over_budget),
+        E(S.BUDGET_CHECK, T.CHECK,              S.TRUNCATED,    g.context_full),
+        E(S.BUDGET_CHECK, T.CHECK,              S.TRUNCATED,    g.no_new_tokens_asked),
+        E(S.BUDGET_CHECK, T.CHECK,              S.TRUNCATED,    g.max_turns_reached),
+        E(S.BUDGET_CHECK, T.CHECK,              S.GENERATE,     otherwise,                  (a.clamp_max_new_tokens,)),
+        E(S.GENERATE,     T.REPLY,              S.ABORTED,      g.reply_unusable,           (a.record_unusable_reply,)),
+        E(S.GENERATE,     T.REPLY,              S.ABORTED,      g.top_p_replay_dropped,     (a.record_unusable_reply,)),
+        E(S.GENERATE,     T.REPLY,              S.TRIM,         g.reply_over_budget,        (a.append_model_turn,)),
+        E(S.GENERATE,     T.REPLY,              S.ABORTED,      g.server_aborted,           (a.append_model_turn,)),
+        E(S.GENERATE,     T.REPLY,              S.TRUNCATED,    g.finished_length,          (a.append_model_turn,)),
+        E(S.GENERATE,     T.REPLY,              S.COMPLETED,    g.answered,                 (a.append_model_turn,)),
+        E(S.GENERATE,     T.REPLY,              S.TRUNCATED,    g.tool_calls_exhausted,     (a.append_model_turn,)),
+        E(S.GENERATE,     T.REPLY,              S.TOOL_CALL,    g.calls_tool,               (a.append_model_turn, a.plan_tool_calls)),
+        E(S.GENERATE,     T.REPLY,              S.TOOL_CALL,    g.invalid_action,           (a.append_model_turn, a.plan_tool_calls)),
+        E(S.GENERATE,     T.CONTEXT_REJECTED,   S.TRUNCATED),
+        E(S.GENERATE,     T.REQUEST_FAILED,     S.ABORTED),
+        E(S.GENERATE,     T.REQUEST_REJECTED,   S.FAILED),
+        E(S.TOOL_CALL,    T.OBSERVE,            S.TRIM,         g.observation_over_budget,  (a.append_observation,)),
+        E(S.TOOL_CALL,    T.OBSERVE,            S.BUDGET_CHECK, otherwise,                  (a.append_observation,)),
+        E(S.TRIM,         T.TRIM,               S.TRUNCATED,    None,                       (a.trim_to_budget,)),
     ]
+    # fmt: on
 
 
 def tool_edges(name: str) -> list[Edge]:
     """A registered tool's state: entered while calls to it wait, left when they are answered."""
     state = tool_state(name)
     return [
-        Edge(TOOL_CALL, "dispatch", state, g.calls_for(name)),
-        Edge(state, "tool_done", TOOL_CALL),
+        Edge(State.TOOL_CALL, Trigger.DISPATCH, state, guards.calls_for(name)),
+        Edge(state, Trigger.TOOL_DONE, State.TOOL_CALL),
     ]
 
 
@@ -120,103 +123,138 @@ def fault_edges(states: list[str], awaiting: set[str]) -> list[Edge]:
     edges: list[Edge] = []
     for state in states:
         if state not in TERMINALS:
-            edges.append(Edge(state, "crashed", FAILED))
+            edges.append(Edge(state, Trigger.CRASHED, State.FAILED))
         if state in awaiting:
-            edges.append(Edge(state, "cancelled", ABORTED))
-        if state not in (RESET, ABORTED):
-            edges.append(Edge(state, "invariant_violated", ABORTED, None, a.discard_response))
+            edges.append(Edge(state, Trigger.CANCELLED, State.ABORTED))
+        if state not in (State.RESET, State.ABORTED):
+            edges.append(Edge(state, Trigger.INVARIANT_VIOLATED, State.ABORTED, None, (actions.discard_response,)))
     return edges
+
+
+_CORE_NAMES = {d.name for d in STATES}
+
+
+def check_tool_name(name: str) -> None:
+    """Refuse a tool whose state would be a core state of the machine.
+
+    A tool named `call` would become `TOOL_CALL`, the hub itself: the machine would gain a
+    self-loop and the driver would never yield. Installed as a registry check, so the clash
+    is refused at registration, not at the first rollout.
+    """
+    state = tool_state(name)
+    if state in _CORE_NAMES:
+        raise ValueError(f"a tool named {name!r} would get the state {state}, which is a core state of the machine: rename the tool")
+
+
+tools.registry.add_name_check(check_tool_name)
 
 
 @attrs.frozen
 class MachineSpec:
-    """The whole definition: states in drawing order, and every edge."""
+    """The whole definition: states in drawing order with their definitions, and every edge."""
 
     states: tuple[str, ...]
     edges: tuple[Edge, ...]
     tool_states: dict[str, str]  # state -> tool name
+    defs: dict[str, StateDef]
 
     @classmethod
     def from_registry(cls, tool_names: tuple[str, ...] | None = None) -> MachineSpec:
         names = tools.names() if tool_names is None else tool_names
         tool_states = {tool_state(n): n for n in names}
-        states = [RESET, RESUME, BUDGET_CHECK, GENERATE, TOOL_CALL, *tool_states, TRIM, COMPLETED, TRUNCATED, ABORTED, FAILED]
+        tool_defs = [StateDef(s, "tool", f"runs the turn's waiting calls to the `{n}` tool concurrently, then back to TOOL_CALL", awaits=True)
+                     for s, n in tool_states.items()]
+        core = [d for d in STATES if d.kind == "core"]
+        ordered = [*core[: core.index(BY_NAME[State.TOOL_CALL]) + 1], *tool_defs,
+                   *core[core.index(BY_NAME[State.TOOL_CALL]) + 1:], *(d for d in STATES if d.kind == "terminal")]
+        states = [d.name for d in ordered]
         edges = core_edges()
         for n in names:
             edges += tool_edges(n)
-        edges += fault_edges(states, {GENERATE, *tool_states})
-        return cls(tuple(states), tuple(edges), tool_states)
+        edges += fault_edges(states, {d.name for d in ordered if d.awaits})
+        return cls(tuple(states), tuple(edges), tool_states, {d.name: d for d in ordered})
+
+    @property
+    def awaiting(self) -> frozenset[str]:
+        """States whose step awaits I/O (GENERATE and the tools)."""
+        return frozenset(s for s, d in self.defs.items() if d.awaits)
 
     def triples(self) -> set[tuple[str, str, str]]:
         """Every (source, trigger, dest) the machine can take."""
-        return {(e.source, e.trigger, e.dest) for e in self.edges}
+        return {(str(e.source), str(e.trigger), str(e.dest)) for e in self.edges}
 
 
-def _call(fn: Callable[[Rollout], object]) -> Callable[[EventData], object]:
-    return lambda event: fn(event.model)
-
-
-def _after_edge(edge: Edge) -> Callable[[EventData], None]:
-    """Record the edge taken (with its guard) and, on an ending edge, why the sample ends."""
-    guard, reason = (edge.guard.__name__ if edge.guard else None), edge.reason
+def _after_edge(edge: Edge) -> Callable[[Rollout], None]:
+    """After the edge: record it (with its guard), why the sample ends if it does, and check I1 (and I2 at the end)."""
+    guard, reason = edge.guard_name, edge.reason
     step = (edge.source, edge.trigger, edge.dest)
+    replaces = reason == Trigger.INVARIANT_VIOLATED  # the one reason that replaces another: the data is not trusted
+    terminal = edge.dest in TERMINALS
 
-    def after(event: EventData) -> None:
-        r: Rollout = event.model
-        r.trace.append(step)
-        r.guards.append(guard)
-        if reason == "invariant_violated":
-            r.reason = reason  # the one reason that replaces another: the data is not trusted
-        elif reason is not None:
-            r.stop_because(reason)
+    def after(r: Rollout) -> None:
+        record = r.record
+        record.trace.append(step)
+        record.guards.append(guard)
+        if replaces:
+            record.reason = reason
+        elif reason is not None and record.reason is None:
+            record.reason = reason
+        try:
+            r.traj.check(max_total_length=r.budget_at_end() if terminal else None)
+        except InvariantViolation as exc:
+            record.violation = str(exc)
 
     return after
 
 
-def _check_invariants(event: EventData) -> None:
-    """After every transition: I1 (cheap, lengths), and I2 once the sample has ended."""
-    r: Rollout = event.model
-    try:
-        r.traj.check(max_total_length=r.budget_at_end() if r.state in TERMINALS else None)
-    except InvariantViolation as exc:
-        r.violation = str(exc)
+def edge_event(edge: Edge) -> str:
+    """The `transitions` event of one row: `trigger[guard]`, or the bare trigger for an unguarded row."""
+    return f"{edge.trigger}[{edge.guard_name}]" if edge.guard is not None else edge.trigger
 
 
 class RolloutMachine:
-    """The runtime machine of a `MachineSpec`. Thread-safe to share: it holds no sample state."""
+    """The runtime machine of a `MachineSpec`. Thread-safe to share: it holds no sample state.
+
+    Each row of the table is one `transitions` event (`reply[calls_tool]`), which owns the
+    state change: it checks the source state, runs the row's actions before it and the
+    bookkeeping after it. `fire(r, trigger)` reads the table as it is written, trying the
+    rows of (state, trigger) in order and taking the first whose guard holds. Letting
+    `transitions` try the rows itself costs a full transition attempt (callbacks, logging)
+    per row that fails: 4x the cost of the transition taken, on the hottest path there is.
+    """
 
     def __init__(self, spec: MachineSpec) -> None:
         self.spec = spec
-        transitions = []
+        self._rows: dict[tuple[str, str], list[tuple[Guard | None, str]]] = {}
         for e in spec.edges:
-            transitions.append(
-                {
-                    "trigger": e.trigger,
-                    "source": e.source,
-                    "dest": e.dest,
-                    "conditions": [_call(e.guard)] if e.guard else [],
-                    "before": [_call(fn) for fn in e.actions],
-                    "after": [_after_edge(e)],
-                }
-            )
+            guard = None if e.guard is otherwise else e.guard  # `otherwise`: the rows above it were tried first
+            self._rows.setdefault((e.source, e.trigger), []).append((guard, edge_event(e)))
+        # Actions and the after-edge bookkeeping are called with the rollout itself
+        # (`send_event=False`, the rollout passed as the event's argument): no wrapper per call.
+        transitions = [
+            {"trigger": edge_event(e), "source": e.source, "dest": e.dest, "before": list(e.actions), "after": [_after_edge(e)]}
+            for e in spec.edges
+        ]
         self._machine = Machine(
             model=None,
             states=list(spec.states),
             transitions=transitions,
-            initial=RESET,
+            initial=str(State.RESET),
             auto_transitions=False,
-            send_event=True,
-            after_state_change=_check_invariants,
+            send_event=False,
         )
         self._events = self._machine.events
 
     def can(self, r: Rollout, trigger: str) -> bool:
         """Whether `trigger` has any edge from `r`'s state (guards aside)."""
-        return bool(self._machine.get_transitions(trigger, source=r.state))
+        return (r.state, trigger) in self._rows
 
     def fire(self, r: Rollout, trigger: str) -> bool:
         """Take the first edge of `trigger` from `r.state` whose guard holds; False if none."""
-        return bool(self._events[trigger].trigger(r))
+        for guard, event in self._rows.get((r.state, trigger), ()):
+            if guard is None or guard(r):
+                return bool(self._events[event].trigger(r, r))
+        return False
 
 
 _lock = threading.Lock()

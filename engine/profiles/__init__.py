@@ -1,23 +1,47 @@
-"""Profiles: prompt rendering, turn parsing and observation formatting, chosen by name."""
+"""Formats: prompt rendering, turn parsing, observation text, the tokenizer and the reward that read them.
+
+Membership: code that turns text into ids and back in a format the model was trained on.
+Profiles plug in by registration, as tools do: `register_profile("mine", "my_pkg.fmt:MyProfile")`
+(a module path, imported on first use) in a module named in `engine_tool_modules`, then
+`engine_profile: mine`. `retool` and `chat` ship.
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
-from engine.profiles.base import Action, CallResult, Profile, ToolCall, Turn
+from engine.profiles.base import CallResult, Profile, ToolCall, Turn, TurnKind
+
+ProfileFactory = Callable[[Any], Profile]
+_PROFILES: dict[str, str | ProfileFactory] = {
+    "retool": "engine.profiles.retool:RetoolProfile",
+    "chat": "engine.profiles.chat:ChatProfile",
+}
+
+
+def register_profile(name: str, factory: str | ProfileFactory, *, replace: bool = False) -> None:
+    """Make `engine_profile: name` build `factory(tokenizer)`; `factory` may be "module:attr" (imported on first use)."""
+    if name in _PROFILES and not replace:
+        raise ValueError(f"a profile named {name!r} is already registered")
+    _PROFILES[name] = factory
+
+
+def profile_names() -> tuple[str, ...]:
+    """The registered profiles, sorted."""
+    return tuple(sorted(_PROFILES))
 
 
 def make_profile(name: str, tokenizer: Any) -> Profile:
-    """The profile called `name` ("retool" or "chat") over `tokenizer`."""
-    if name == "retool":
-        from engine.profiles.retool import RetoolProfile
-
-        return RetoolProfile(tokenizer)
-    if name == "chat":
-        from engine.profiles.chat import ChatProfile
-
-        return ChatProfile(tokenizer)
-    raise ValueError(f"unknown profile {name!r}: expected 'retool' or 'chat'")
+    """The profile registered as `name`, over `tokenizer`."""
+    factory = _PROFILES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown profile {name!r}: registered are {', '.join(profile_names())}")
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+    return factory(tokenizer)
 
 
-__all__ = ["Action", "CallResult", "Profile", "ToolCall", "Turn", "make_profile"]
+__all__ = ["CallResult", "Profile", "ToolCall", "Turn", "TurnKind", "make_profile", "profile_names", "register_profile"]

@@ -6,7 +6,7 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-Action = Literal["answer", "tool", "invalid"]
+TurnKind = Literal["answer", "tool", "invalid"]
 
 
 @attrs.frozen
@@ -23,7 +23,7 @@ class ToolCall:
 class Turn:
     """What one model turn asks for: a final answer, tool calls, or nothing usable."""
 
-    action: Action
+    action: TurnKind
     calls: tuple[ToolCall, ...] = ()
     answer: str | None = None
 
@@ -35,7 +35,6 @@ class CallResult:
     call: ToolCall
     text: str
     error: str | None = None
-    seconds: float = 0.0
 
 
 class Profile(Protocol):

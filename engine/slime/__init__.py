@@ -23,7 +23,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.loop.driver import drive, new_rollout
 from engine.profiles.reward import retool_score
-from engine.machine.rollout import Rollout
+from engine.machine.rollout import Inputs, Record, Rollout
+from engine.machine.states import State
 from engine.loop.runtime import Runtime
 from engine.slime.sample_io import clear_sample, engine_metadata, read_checkpoint, write_sample
 
@@ -78,7 +79,8 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
 
 def _setup_failed(sample: Any, exc: Exception) -> Any:
     clear_sample(sample)
-    r = Rollout(EngineConfig(), state="FAILED", reason="engine_setup_failed", error=f"{type(exc).__name__}: {exc}")
+    r = Rollout(Inputs(EngineConfig()), state=State.FAILED.value,
+                record=Record(reason="engine_setup_failed", error=f"{type(exc).__name__}: {exc}"))
     write_sample(sample, r)
     return sample
 

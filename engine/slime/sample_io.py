@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from engine.machine import checkpoint
-from engine.machine.checkpoint import Saved
-from engine.machine.rollout import Rollout
+from engine.machine.rollout import Rollout, Saved
+from engine.machine.states import State, Trigger
+from engine.machine.table import get_machine
 
 FSM = "fsm"  # the one key of sample.metadata that the engine writes
 
@@ -94,9 +95,9 @@ def write_sample(sample: Any, r: Rollout) -> None:
     sample.rollout_log_probs = traj.logprobs.tolist()
     _set(sample, "rollout_top_p_token_ids", traj.top_p_ids.tolist() if traj.top_p_ids is not None else None)
     _set(sample, "rollout_top_p_token_offsets", traj.top_p_offsets.tolist() if traj.top_p_offsets is not None else None)
-    _set(sample, "weight_versions", list(r.weight_versions))
+    _set(sample, "weight_versions", list(r.record.weight_versions))
     if hasattr(sample, "non_generation_time"):
-        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.tool_time
+        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds
     if r.reason == "prompt_over_budget":
         _set(sample, "remove_sample", True)  # slime drops it from training: no token of it fits
     status = getattr(type(sample), "Status", None)
@@ -111,14 +112,15 @@ def write_sample(sample: Any, r: Rollout) -> None:
 
 def rollout_metadata(r: Rollout) -> dict[str, Any]:
     """What the trace tools read back: the path, why it ended, per-turn and per-tool records."""
+    record = r.record
     meta: dict[str, Any] = {
-        "trace": [list(edge) for edge in r.trace],
-        "guards": list(r.guards),
-        "termination_reason": r.reason,
-        "turns": list(r.turn_log),
-        "tool_stats": dict(r.tool_stats),
-        "generation_time": round(r.generation_time, 6),
-        "tool_time": round(r.tool_time, 6),
+        "trace": [list(edge) for edge in record.trace],
+        "guards": list(record.guards),
+        "termination_reason": record.reason,
+        "turns": list(record.turn_log),
+        "tool_stats": record.tools.as_dict(),
+        "generation_time": round(record.generation_time, 6),
+        "tool_time": round(record.tools.seconds, 6),
         "profile": r.cfg.profile,
     }
     segments = r.traj.segments
@@ -127,10 +129,10 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
     meta["attempt"] = r.attempt
     if r.resume_rejected:
         meta["checkpoint_rejected"] = r.resume_rejected
-    if r.cfg.partial_rollout and r.state == "ABORTED" and r.reason != "invariant_violated":
-        meta["checkpoint"] = checkpoint.make_checkpoint(r)
-    if r.error:
-        meta["engine_error"] = r.error
-    if r.violation:
-        meta["invariant_violation"] = r.violation
+    if r.cfg.partial_rollout and r.state == State.ABORTED and record.reason != Trigger.INVARIANT_VIOLATED:
+        meta["checkpoint"] = checkpoint.make_checkpoint(r, frozenset(get_machine().spec.tool_states))
+    if record.error:
+        meta["engine_error"] = record.error
+    if record.violation:
+        meta["invariant_violation"] = record.violation
     return meta

@@ -1,9 +1,9 @@
 """The machine's diagrams: the checked-in `diagrams/`, and the `diagram`, `trace`, `flow` commands.
 
 `python -m engine diagram` draws the machine with the built-in tools registered (see
-engine/drawing.py for how); `trace` and `flow` draw it with an `Overlay` highlighting the
-edges and states recorded samples took (engine/sample_paths.py), read from a rollout
-JSONL or a slime debug dump (engine/samples_file.py).
+engine/trace/drawing.py for how); `trace` and `flow` draw it with an `Overlay` highlighting
+the edges and states recorded samples took (engine/trace/paths.py), read from a rollout
+JSONL or a slime debug dump (engine/trace/samples_file.py).
 """
 
 from __future__ import annotations
@@ -11,22 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-from collections.abc import Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any
 
-from engine.trace.drawing import FAULT_TRIGGERS, machine_dot, machine_mermaid, machine_svg, svg_digest, svg_edge_id
 from engine.machine.table import MachineSpec
-from engine.trace.paths import Overlay, edge_counts, flow_overlay, flow_table, timeline, trace_overlay
-from engine.trace.samples_file import fsm_trace, has_traces, load_samples, metadata, select_sample, status_name
+from engine.trace.drawing import FAULT_TRIGGERS, machine_dot, machine_mermaid, machine_svg, svg_digest, svg_edge_id
+from engine.trace.paths import Overlay, builtin_spec, flow_overlay, flow_table, spec_for_samples, timeline, trace_overlay
+from engine.trace.samples_file import has_traces, load_samples, metadata, select_sample, status_name
 
 __all__ = [
     "Overlay",
     "builtin_spec",
-    "edge_counts",
     "load_samples",
     "machine_dot",
     "machine_mermaid",
@@ -43,64 +39,7 @@ __all__ = [
     "write_drawing",
 ]
 
-# One line per core state for diagrams/README.md (tool states get theirs from the tool's name).
-LEGEND = {
-    "RESET": "forgets what an earlier attempt left on the sample, renders the prompt and starts from it alone",
-    "RESUME": "puts back the partial trajectory of an aborted sample whose checkpoint matched, then re-runs its pending tool calls or goes on generating",
-    "BUDGET_CHECK": "before each turn: ends TRUNCATED if the prompt alone is over budget or context, per-turn cap or turns are spent, else clamps max_new_tokens to the room left",
-    "GENERATE": "one /generate request; the reply's ids and logprobs are taken as sent, then the turn is parsed (answer, tool call, invalid)",
-    "TOOL_CALL": "plans the turn's calls (surplus or unparsable ones get an error answer), hands them to the tool states, appends the observation (mask 0)",
-    "TRIM": "cuts every per-token array to the budget together after a reply or an observation overflowed it",
-    "COMPLETED": "terminal: the model gave its final answer",
-    "TRUNCATED": "terminal: a budget ran out (context, turns, tool calls) or the turn hit its max_new_tokens",
-    "ABORTED": "terminal: an unusable reply, a server abort, a failed request, a cancellation, or a broken invariant (response discarded)",
-    "FAILED": "terminal: an engine error, or a request the server rejected",
-}
-
 # -- which machine -------------------------------------------------------------------
-
-
-@cache
-def builtin_tool_names(modules: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The tools a fresh `import tools` registers (plus those of `modules`): what `diagram` draws.
-
-    Asked of a fresh interpreter so that tools a test (or a caller) registered in this
-    process never leak into the checked-in diagrams or their staleness check. Raises
-    ValueError naming a module that cannot be imported.
-    """
-    root = str(Path(__file__).resolve().parents[2])
-    path = [root, os.getcwd(), os.environ.get("PYTHONPATH")]  # a user's module lives beside them
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
-    code = ("import importlib, json, sys, tools\n"
-            "for m in sys.argv[1:]:\n"
-            "    try:\n"
-            "        importlib.import_module(m)\n"
-            "    except Exception as exc:\n"
-            "        print(json.dumps({'module': m, 'error': f'{type(exc).__name__}: {exc}'}))\n"
-            "        sys.exit(3)\n"
-            "print(json.dumps(list(tools.names())))")
-    done = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=env, cwd=root, timeout=120)
-    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    if done.returncode == 3:
-        failed = json.loads(last)
-        raise ValueError(f"--tool-module {failed['module']}: cannot import it ({failed['error']})")
-    if done.returncode != 0:
-        raise RuntimeError(f"importing the tools package failed:\n{done.stderr}")
-    return tuple(json.loads(last))
-
-
-def builtin_spec(modules: tuple[str, ...] = ()) -> MachineSpec:
-    """The machine with the built-in tools registered (and those of `modules`)."""
-    return MachineSpec.from_registry(tool_names=builtin_tool_names(tuple(modules)))
-
-
-def spec_for_samples(samples: Sequence[dict[str, Any]]) -> MachineSpec:
-    """The built-in machine plus a state for every other tool the samples' traces passed through."""
-    names = set(builtin_tool_names())
-    for sample in samples:
-        for step in fsm_trace(sample):
-            names.update(s.removeprefix("TOOL_").lower() for s in step[:3:2] if s.startswith("TOOL_") and s != "TOOL_CALL")
-    return MachineSpec.from_registry(tool_names=tuple(sorted(names)))
 
 
 # -- the checked-in files ------------------------------------------------------------
@@ -108,15 +47,14 @@ def spec_for_samples(samples: Sequence[dict[str, Any]]) -> MachineSpec:
 
 def readme_text(spec: MachineSpec) -> str:
     """diagrams/README.md: the Mermaid (GitHub renders it), the compact view, a legend."""
-    tool_line = "runs the turn's waiting calls to the `{}` tool concurrently, then back to TOOL_CALL"
-    rows = [f"| `{s}` | {tool_line.format(spec.tool_states[s]) if s in spec.tool_states else LEGEND.get(s, '')} |" for s in spec.states]
+    rows = [f"| `{s}` | {'terminal: ' if d.kind == 'terminal' else ''}{d.legend} |" for s, d in spec.defs.items()]
     faults = ", ".join(f"`{t}`" for t in sorted(FAULT_TRIGGERS))
     parts = [
         "# The rollout machine",
         "",
-        "Drawn from its definition (`engine/machine.py`, the built-in tools registered) by",
+        "Drawn from its definition (`engine/machine/states.py` and `table.py`, the built-in tools registered) by",
         "`python -m engine diagram`; do not edit. `python -m engine diagram --check` and",
-        "`tests/test_diagrams.py` fail when these files fall behind the definition.",
+        "`tests/trace/test_diagrams.py` fail when these files fall behind the definition.",
         "",
         "`machine.mmd` is the Mermaid source below, `machine.svg` the same machine laid out by Graphviz.",
         "Each edge reads `trigger [guard]`; edges of one trigger from one state are tried in table order.",

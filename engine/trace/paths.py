@@ -8,13 +8,20 @@ counts for every candidate, marked "?".
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import attrs
 
-from engine.machine.table import GENERATE, TERMINALS, TRIM, Edge, MachineSpec
+from engine.machine.states import TERMINALS, State, Trigger
+from engine.machine.table import Edge, MachineSpec
 from engine.trace.samples_file import final_state, fsm_trace, metadata, status_name
 
 EdgeKey = tuple[str, str, str]  # (source, label, dest): how a drawing names an edge
@@ -72,11 +79,11 @@ def resolve_path(spec: MachineSpec, sample: dict[str, Any]) -> list[Step]:
     trace = fsm_trace(sample)
     # Every reply edge logs one turn, and a resumed sample's log starts with the turns its
     # checkpoint restored: the trace's replies are the log's last entries.
-    current = len(turns) - sum(1 for item in trace if item[0] == GENERATE and item[1] == "reply") - 1
+    current = len(turns) - sum(1 for item in trace if item[0] == State.GENERATE and item[1] == Trigger.REPLY) - 1
     steps: list[Step] = []
     for n, item in enumerate(trace, 1):
         source, trigger, dest = item[:3]
-        if source == GENERATE and trigger == "reply":
+        if source == State.GENERATE and trigger == Trigger.REPLY:
             current += 1
         turn = turns[current] if 0 <= current < len(turns) else None
         cands = _narrow(by_triple.get((source, trigger, dest), []), item[3])
@@ -119,7 +126,7 @@ class Tally:
 
 def tally(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Tally:
     """Count every edge over the samples (an unresolved step counts for each candidate)."""
-    spec = spec or _default_spec(samples)
+    spec = spec or spec_for_samples(samples)
     times: Counter[EdgeKey] = Counter()
     takers: Counter[EdgeKey] = Counter()
     unsure: set[EdgeKey] = set()
@@ -129,16 +136,6 @@ def tally(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) ->
         takers.update({key for step in steps for key in step.keys})
         unsure.update(key for step in steps if len(step.edges) > 1 for key in step.keys)
     return Tally(times, takers, frozenset(unsure))
-
-
-def edge_counts(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Counter[EdgeKey]:
-    """How many times each edge was taken over all samples."""
-    return tally(samples, spec).times
-
-
-def sample_counts(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> Counter[EdgeKey]:
-    """How many samples took each edge at least once."""
-    return tally(samples, spec).takers
 
 
 def terminal_counts(samples: Iterable[dict[str, Any]]) -> Counter[str]:
@@ -167,23 +164,17 @@ def _samples(n: int) -> str:
     return f"{n} sample" + ("" if n == 1 else "s")
 
 
-def _default_spec(samples: Sequence[dict[str, Any]]) -> MachineSpec:
-    from engine.trace.diagrams import spec_for_samples  # diagrams imports this module
-
-    return spec_for_samples(samples)
-
-
 def _step_details(step: Step, sample: dict[str, Any], last: bool) -> str:
     turn, meta = step.turn or {}, metadata(sample)
     parts: list[str] = []
-    if step.source == GENERATE and step.trigger == "reply" and turn:
+    if step.source == State.GENERATE and step.trigger == Trigger.REPLY and turn:
         parts.append(f"turn {turn.get('turn')}: {turn.get('tokens')} tokens (max {turn.get('max_new_tokens')}), finish {turn.get('finish')}")
         if turn.get("problem"):
             parts.append(f"problem {turn['problem']}")
         if turn.get("weight_version") not in (None, "default"):
             parts.append(f"weights {turn['weight_version']}")
     elif step.trigger == "resume":
-        replies = sum(1 for item in fsm_trace(sample) if item[0] == GENERATE and item[1] == "reply")
+        replies = sum(1 for item in fsm_trace(sample) if item[0] == State.GENERATE and item[1] == Trigger.REPLY)
         restored = len(meta.get("turns") or []) - replies
         parts.append(f"{restored} turns restored from the checkpoint" if step.dest == "RESUME" else "checkpoint rejected: restart from the prompt")
     elif step.trigger == "dispatch":
@@ -218,7 +209,7 @@ def _step_label(step: Step) -> str:
 
 def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: int | None = None) -> str:
     """A text report of one sample: status, reason, totals, then one row per edge taken."""
-    spec = spec or _default_spec([sample])
+    spec = spec or spec_for_samples([sample])
     meta = metadata(sample)
     stats = meta.get("tool_stats") or {}
     name = f"sample index {sample['index']}" if sample.get("index") is not None else "sample"
@@ -243,7 +234,7 @@ def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: 
 
 def flow_table(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = None) -> str:
     """A batch in text: per edge samples and times (machine order), per terminal and per reason."""
-    spec = spec or _default_spec(samples)
+    spec = spec or spec_for_samples(samples)
     t = tally(samples, spec)
     times, takers = t.times, t.takers
     order = [edge_key(e) for e in spec.edges]
@@ -270,3 +261,50 @@ def flow_table(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = Non
 
 def _rank(spec: MachineSpec, state: str) -> int:
     return spec.states.index(state) if state in spec.states else len(spec.states)
+
+
+# -- which machine ---------------------------------------------------------------------
+
+
+@cache
+def builtin_tool_names(modules: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The tools a fresh `import tools` registers (plus those of `modules`): what `diagram` draws.
+
+    Asked of a fresh interpreter so that tools a test (or a caller) registered in this
+    process never leak into the checked-in diagrams or their staleness check. Raises
+    ValueError naming a module that cannot be imported.
+    """
+    root = str(Path(__file__).resolve().parents[2])
+    path = [root, os.getcwd(), os.environ.get("PYTHONPATH")]  # a user's module lives beside them
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    code = ("import importlib, json, sys, tools\n"
+            "for m in sys.argv[1:]:\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except Exception as exc:\n"
+            "        print(json.dumps({'module': m, 'error': f'{type(exc).__name__}: {exc}'}))\n"
+            "        sys.exit(3)\n"
+            "print(json.dumps(list(tools.names())))")
+    done = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=120)
+    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    if done.returncode == 3:
+        failed = json.loads(last)
+        raise ValueError(f"--tool-module {failed['module']}: cannot import it ({failed['error']})")
+    if done.returncode != 0:
+        raise RuntimeError(f"importing the tools package failed:\n{done.stderr}")
+    return tuple(json.loads(last))
+
+
+def builtin_spec(modules: tuple[str, ...] = ()) -> MachineSpec:
+    """The machine with the built-in tools registered (and those of `modules`)."""
+    return MachineSpec.from_registry(tool_names=builtin_tool_names(tuple(modules)))
+
+
+def spec_for_samples(samples: Sequence[dict[str, Any]]) -> MachineSpec:
+    """The built-in machine plus a state for every other tool the samples' traces passed through."""
+    names = set(builtin_tool_names())
+    for sample in samples:
+        for step in fsm_trace(sample):
+            names.update(s.removeprefix("TOOL_").lower() for s in step[:3:2] if s.startswith("TOOL_") and s != "TOOL_CALL")
+    return MachineSpec.from_registry(tool_names=tuple(sorted(names)))

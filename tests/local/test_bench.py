@@ -27,7 +27,7 @@ def test_bench_smoke() -> None:
     fsm_r, plain_r = _rollout(), _rollout()
     fsm_cycle(machine, fsm_r, 2)
     plain_cycle(edge_index(machine), plain_r, 2)
-    assert fsm_r.trace == plain_r.trace and len(fsm_r.trace) == 6
+    assert fsm_r.record.trace == plain_r.record.trace and len(fsm_r.record.trace) == 6
     assert fsm_r.traj.response_ids == plain_r.traj.response_ids
     assert [f.key for f in fsm_figures(TINY)] == ["fsm_setup", "fsm_transition"]
 

@@ -12,10 +12,10 @@ import pytest
 import respx
 
 import tools
-from engine.machine import actions as a
 from engine.config import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
-from engine.machine.table import TERMINALS, Edge, MachineSpec, RolloutMachine, get_machine
+from engine.machine.states import TERMINALS
+from engine.machine.table import MachineSpec, RolloutMachine, get_machine
 from engine.profiles.retool import INVALID_ACTION, render_retool_prompt
 from engine.machine.rollout import Rollout
 from engine.loop.runtime import Runtime
@@ -55,23 +55,23 @@ def walk(script: list, *, params: dict | None = None, machine: RolloutMachine | 
          **kw: Any) -> tuple[Rollout, ScriptedServer]:
     server = ScriptedServer(script)
     r = run(_drive(script, cfg(**kw), dict(params or SAMPLING), machine, server, sample))
-    r.traj.check(full=True, max_total_length=r.limit)
+    r.traj.check(full=True, max_total_length=r.token_budget)
     return r, server
 
 
 def path(r: Rollout) -> list[tuple[str, str, str]]:
-    return [tuple(e) for e in r.trace]
+    return [tuple(e) for e in r.record.trace]
 
 
 # -- the guards ------------------------------------------------------------------------
 def test_length_finish_ends_truncated():
     r, _ = walk([turn("1 2 3", finish="length")])
-    assert (r.state, r.reason) == ("TRUNCATED", "finished_length")
+    assert (r.state, r.record.reason) == ("TRUNCATED", "finished_length")
 
 
 def test_tool_call_budget_exhausted(fake_interpreter):
     r, server = walk([turn(CODE), turn(CODE)], max_tool_calls=1)
-    assert (r.state, r.reason) == ("TRUNCATED", "tool_calls_exhausted")
+    assert (r.state, r.record.reason) == ("TRUNCATED", "tool_calls_exhausted")
     assert len(fake_interpreter.codes) == 1 and len(server.requests) == 2
 
 
@@ -79,20 +79,20 @@ def test_invalid_action_gets_the_retool_note_then_continues(fake_interpreter):
     r, server = walk([turn("I am not sure."), turn(ANSWER)])
     assert ("GENERATE", "reply", "TOOL_CALL") in path(r)
     assert ("TOOL_CALL", "observe", "BUDGET_CHECK") in path(r)
-    assert (r.state, r.reason) == ("COMPLETED", "answered")
+    assert (r.state, r.record.reason) == ("COMPLETED", "answered")
     assert INVALID_ACTION in r.text
     assert fake_interpreter.codes == []
 
 
 def test_max_turns(fake_interpreter):
     r, server = walk([turn(CODE)], max_turns=1)
-    assert (r.state, r.reason) == ("TRUNCATED", "max_turns_reached")
+    assert (r.state, r.record.reason) == ("TRUNCATED", "max_turns_reached")
     assert path(r)[-1] == ("BUDGET_CHECK", "check", "TRUNCATED")
 
 
 def test_zero_max_new_tokens_sends_nothing():
     r, server = walk([], params={**SAMPLING, "max_new_tokens": 0})
-    assert (r.state, r.reason) == ("TRUNCATED", "no_new_tokens_asked")
+    assert (r.state, r.record.reason) == ("TRUNCATED", "no_new_tokens_asked")
     assert server.requests == []
 
 
@@ -100,7 +100,7 @@ def test_server_ignoring_the_clamp_is_trimmed():
     budget = prompt_len() + 5
     r, server = walk([turn("one two three four five six seven eight nine ten")], max_context_len=budget)
     assert server.requests[0]["sampling_params"]["max_new_tokens"] == 5
-    assert (r.state, r.reason) == ("TRUNCATED", "reply_over_budget")
+    assert (r.state, r.record.reason) == ("TRUNCATED", "reply_over_budget")
     assert path(r)[-2:] == [("GENERATE", "reply", "TRIM"), ("TRIM", "trim", "TRUNCATED")]
     assert r.traj.total_length == budget
 
@@ -112,7 +112,7 @@ def test_observation_that_fits_exactly_is_kept_whole(fake_interpreter):
     budget = prompt_len() + len(first) + len(obs)
     r, server = walk([turn(CODE)], max_context_len=budget)
     assert ("TOOL_CALL", "observe", "BUDGET_CHECK") in path(r)
-    assert (r.state, r.reason) == ("TRUNCATED", "context_full")
+    assert (r.state, r.record.reason) == ("TRUNCATED", "context_full")
     assert r.traj.response_ids.tolist() == first + obs
     assert len(server.requests) == 1
 
@@ -123,7 +123,7 @@ def test_malformed_and_unknown_calls_are_error_observations(fake_interpreter):
     bad_args = '<tool_call>{"name": "code_interpreter", "arguments": {"code": ["print(1)"]}}</tool_call>'
     r, _ = walk([turn(bad_json), turn(unknown), turn(bad_args), turn(ANSWER)])
     assert r.state == "COMPLETED"
-    assert r.tool_stats["errors"] == {"malformed_call": 1, "unknown_tool": 1, "bad_arguments": 1}
+    assert r.record.tools.errors == {"malformed_call": 1, "unknown_tool": 1, "bad_arguments": 1}
     assert "not valid JSON" in r.text and "unknown tool 'web_search'" in r.text and "must be of type string" in r.text
     assert fake_interpreter.codes == []
 
@@ -141,7 +141,7 @@ def test_sample_can_restrict_its_tools(fake_interpreter):
             return r
 
     r = run(go())
-    assert r.tool_stats["errors"] == {"unknown_tool": 1}
+    assert r.record.tools.errors == {"unknown_tool": 1}
     assert '"name": "code_interpreter"' not in tok().decode(r.traj.prompt_ids.tolist())
 
 
@@ -182,23 +182,24 @@ NON_TERMINAL = [s for s in get_machine().spec.states if s not in TERMINALS]
 def test_crash_in_any_state_ends_failed_with_the_error_recorded(state, fake_interpreter, monkeypatch):
     import engine.loop.driver as d
 
-    async def boom(*args: Any) -> str:
-        raise RuntimeError(f"injected in {state}")
+    original = d._next_trigger
 
-    if state in get_machine().spec.tool_states:
-        monkeypatch.setattr(d, "run_tool_calls", boom)
-    else:
-        monkeypatch.setitem(d.STEPS, state, boom)
+    async def boom(rt: Any, r: Rollout, machine: Any) -> str:
+        if r.state == state:  # states with a step and states that fire at once alike
+            raise RuntimeError(f"injected in {state}")
+        return await original(rt, r, machine)
+
+    monkeypatch.setattr(d, "_next_trigger", boom)
     script, kw = script_through(state)
     r, _ = walk(script, **kw)
-    assert f"injected in {state}" in r.error
+    assert f"injected in {state}" in r.record.error
     if state == "TRIM":
         # The response is still over budget: FAILED may not hand it on (I2), so it is discarded.
         assert path(r)[-2:] == [("TRIM", "crashed", "FAILED"), ("FAILED", "invariant_violated", "ABORTED")]
-        assert r.violation.startswith("I2") and r.traj.response_length == 0
+        assert r.record.violation.startswith("I2") and r.traj.response_length == 0
     else:
         assert path(r)[-1] == (state, "crashed", "FAILED")
-        assert (r.state, r.reason) == ("FAILED", "crashed")
+        assert (r.state, r.record.reason) == ("FAILED", "crashed")
 
 
 def test_bad_prompt_is_a_recorded_crash_not_an_exception():
@@ -211,7 +212,7 @@ def test_bad_prompt_is_a_recorded_crash_not_an_exception():
 
     r = run(go())
     assert path(r) == [("RESET", "crashed", "FAILED")]
-    assert "AttributeError" in r.error
+    assert "AttributeError" in r.record.error
 
 
 AWAITING = ["GENERATE", *get_machine().spec.tool_states]
@@ -265,7 +266,7 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
         for name, tool in originals.items():
             tools.register(tool, replace=True)
     assert path(r)[-1] == (state, "cancelled", "ABORTED")
-    assert r.reason == "cancelled"
+    assert r.record.reason == "cancelled"
     r.traj.check(full=True)
 
 
@@ -277,7 +278,7 @@ def corrupting_machine(target: str) -> RolloutMachine:
 
     spec = MachineSpec.from_registry()
     edges = tuple(
-        attrs.evolve(e, action=(*e.actions, corrupt)) if e.dest == target and e.trigger != "invariant_violated" else e
+        attrs.evolve(e, actions=(*e.actions, corrupt)) if e.dest == target and e.trigger != "invariant_violated" else e
         for e in spec.edges
     )
     return RolloutMachine(attrs.evolve(spec, edges=edges))
@@ -295,8 +296,8 @@ def test_invariant_violation_in_any_state_ends_aborted_with_a_clean_trajectory(s
     }.get(state) or script_through(state)
     r, _ = walk(script, machine=corrupting_machine(state), **kw)
     assert (state, "invariant_violated", "ABORTED") in path(r)
-    assert (r.state, r.reason) == ("ABORTED", "invariant_violated")
-    assert r.violation.startswith("I1")
+    assert (r.state, r.record.reason) == ("ABORTED", "invariant_violated")
+    assert r.record.violation.startswith("I1")
     assert r.traj.response_length == 0  # nothing untrusted is handed on
     assert r.text == ""
 
@@ -310,4 +311,4 @@ def test_stateful_tool_keeps_variables_across_turns_of_one_trajectory():
     assert r.state == "COMPLETED"
     assert ("TOOL_PYTHON_SESSION", "tool_done", "TOOL_CALL") in path(r)
     assert "\n42\n" in r.text
-    assert r.tool_states == {}  # released at the end
+    assert r.tool_sessions == {}  # released at the end

@@ -107,7 +107,7 @@ def test_surplus_calls_are_answered_with_an_error_not_dropped(fake_interpreter):
     many = "\n".join(call(f"print({i})") for i in range(3))
     profile, r, _ = chat_rollout([turn(many), turn("Done.")], max_calls_per_turn=2)
     assert fake_interpreter.codes == ["print(0)", "print(1)"]
-    assert r.tool_stats["errors"] == {"surplus_call": 1}
+    assert r.record.tools.errors == {"surplus_call": 1}
     assert r.text.count("<tool_response>") == 3
     assert "too many tool calls in this turn" in r.text
 

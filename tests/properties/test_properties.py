@@ -1,6 +1,6 @@
 """Property-based tests: random episodes through `engine.slime.generate`, every invariant checked.
 
-An episode (tests/episodes.py) is a prompt, budgets and limits, and a script of what the server
+An episode (tests/support/episodes.py) is a prompt, budgets and limits, and a script of what the server
 does turn by turn: usable replies of every finish reason and length (0 tokens included,
 emojis split across turns, logprobs drawn or faked), unusable ones (logprobs missing or
 mismatched, no meta_info), HTTP faults between turns (5xx, connect errors, bodies that are
@@ -15,7 +15,7 @@ Profiles, chosen with the environment variable HYPOTHESIS_PROFILE:
     ci (default)  derandomized: 300 examples of the main property, 100 of each other one (~25 s)
     soak          10,000 examples of the main property and 3,333 of each other one, random
                   seed (a failure prints the blob to replay it with @reproduce_failure):
-                  HYPOTHESIS_PROFILE=soak python -m pytest tests/test_properties.py
+                  HYPOTHESIS_PROFILE=soak python -m pytest tests/properties/test_properties.py
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ BASE = Episode(PROMPTS[0], ("none", 0), None, 256, 4, 4, 2, (), ("🦩",))  # fo
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeInterpreter]:
     """The in-process code_interpreter for a whole module (registering rebuilds the machine)."""
-    with tools.registered(FakeInterpreter()) as interpreter:
+    with tools.registry.registered(FakeInterpreter()) as interpreter:
         yield interpreter
 
 

@@ -39,5 +39,5 @@ def test_tool_module_loaded_by_setting_gets_a_state_edges_a_drawing_and_runs():
         prompt_text = tok().decode(server.requests[0]["input_ids"])
         assert '"name": "word_count"' in prompt_text and "Count the words of a text." in prompt_text
     finally:
-        tools.unregister("word_count")
+        tools.registry.unregister("word_count")
     assert "TOOL_WORD_COUNT" not in get_machine().spec.states

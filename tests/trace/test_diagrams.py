@@ -18,7 +18,6 @@ import respx
 import tools
 from engine import slime
 from engine.trace.diagrams import (
-    LEGEND,
     builtin_spec,
     machine_mermaid,
     machine_svg,
@@ -119,7 +118,7 @@ def test_every_state_and_edge_of_the_spec_is_drawn() -> None:
     assert "```mermaid\n" + mmd in readme
     for state in spec.states:
         assert f"| `{state}` |" in readme
-        assert state in spec.tool_states or LEGEND.get(state), f"add a legend line for {state} in engine/diagrams.py"
+        assert spec.defs[state].legend, f"add a legend for {state} to its StateDef in engine/machine/states.py"
 
 
 def test_compact_drawing_folds_only_fault_edges() -> None:
@@ -149,7 +148,7 @@ def test_a_registered_tool_gets_its_own_state() -> None:
         # the checked-in drawing is of the built-in registry, whatever this process registered
         assert "TOOL_DIAGRAM_PROBE" not in builtin_spec().states
     finally:
-        tools.unregister("diagram_probe")
+        tools.registry.unregister("diagram_probe")
 
 
 # -- recorded samples ---------------------------------------------------------------------
@@ -191,7 +190,7 @@ def recorded() -> Iterator[dict[str, Sample]]:
             run(slime.generate(make_args(**args_kw), sample, dict(SAMPLING)))
         samples[name] = sample
 
-    with tools.registered(fake):
+    with tools.registry.registered(fake):
         record("answered", [turn(CODE_TURN), turn(ANSWER_TURN)])
         record("trimmed", [turn(CODE_TURN)], output=lambda code: "Output:\n" + "9" * 5000, rollout_max_context_len=prompt_length() + 300)
         record("three_turns", [turn(CODE_TURN), turn(CODE_TURN), turn(ANSWER_TURN)])
@@ -209,16 +208,16 @@ def jsonl(recorded: dict[str, Sample], tmp_path: Path) -> Path:
 
 ANSWERED = {
     ("RESET", "start", "BUDGET_CHECK"): 1,
-    ("BUDGET_CHECK", "check [room_left]", "GENERATE"): 2,
+    ("BUDGET_CHECK", "check [else]", "GENERATE"): 2,
     ("GENERATE", "reply [calls_tool]", "TOOL_CALL"): 1,
     ("TOOL_CALL", "dispatch [calls_code_interpreter]", "TOOL_CODE_INTERPRETER"): 1,
     ("TOOL_CODE_INTERPRETER", "tool_done", "TOOL_CALL"): 1,
-    ("TOOL_CALL", "observe [observation_fits]", "BUDGET_CHECK"): 1,
+    ("TOOL_CALL", "observe [else]", "BUDGET_CHECK"): 1,
     ("GENERATE", "reply [answered]", "COMPLETED"): 1,
 }
 TRIMMED = {
     ("RESET", "start", "BUDGET_CHECK"): 1,
-    ("BUDGET_CHECK", "check [room_left]", "GENERATE"): 1,
+    ("BUDGET_CHECK", "check [else]", "GENERATE"): 1,
     ("GENERATE", "reply [calls_tool]", "TOOL_CALL"): 1,
     ("TOOL_CALL", "dispatch [calls_code_interpreter]", "TOOL_CODE_INTERPRETER"): 1,
     ("TOOL_CODE_INTERPRETER", "tool_done", "TOOL_CALL"): 1,
@@ -293,7 +292,7 @@ def test_torch_dump_in_slime_format_loads_like_the_jsonl(recorded: dict[str, Sam
     for source in (dump, jsonl):
         assert main_trace(argparse.Namespace(file=str(source), position=2, out=None)) == 0
     a, b = capsys.readouterr().out.split("sample index 102 (position 2 in the file)", 2)[1:]
-    assert a == b and "check [room_left] ×3" in a
+    assert a == b and "check [else] ×3" in a
 
 
 def test_select_sample_by_index_field_or_position() -> None:
@@ -329,7 +328,7 @@ def test_flow_counts_equal_the_traces(jsonl: Path, tmp_path: Path, capsys: pytes
         by_triple[(source, label.split(" [")[0], dest)] += n
     assert by_triple == Counter(step for t in traces for step in t)
     assert takers[("RESET", "start", "BUDGET_CHECK")] == len(rows)
-    assert (takers[("BUDGET_CHECK", "check [room_left]", "GENERATE")], times[("BUDGET_CHECK", "check [room_left]", "GENERATE")]) == (5, 2 + 1 + 3 + 2 + 2)
+    assert (takers[("BUDGET_CHECK", "check [else]", "GENERATE")], times[("BUDGET_CHECK", "check [else]", "GENERATE")]) == (5, 2 + 1 + 3 + 2 + 2)
     assert visited == {s for t in traces for step in t for s in (step[0], step[2])}
     ends = Counter(t[-1][2] for t in traces)
     assert ends == {"COMPLETED": 3, "TRUNCATED": 1, "ABORTED": 1}
@@ -337,7 +336,7 @@ def test_flow_counts_equal_the_traces(jsonl: Path, tmp_path: Path, capsys: pytes
         assert f"    {state} : {n} sample{'s' if n > 1 else ''} ended here" in text
         assert re.search(rf"^{state}\s+{n}$", table, re.M)
     assert re.search(r"^observation_over_budget\s+TRUNCATED\s+1$", table, re.M)
-    assert re.search(r"^BUDGET_CHECK -> GENERATE\s+check \[room_left\]\s+5\s+10$", table, re.M)
+    assert re.search(r"^BUDGET_CHECK -> GENERATE\s+check \[else\]\s+5\s+10$", table, re.M)
 
 
 def test_a_resumed_sample_lines_up_with_its_restored_turns(fake_interpreter: FakeInterpreter) -> None:

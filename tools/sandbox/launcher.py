@@ -1,7 +1,7 @@
 """The first stage of a sandboxed run: builds the sandbox inside the fresh child, then execs.
 
-Run by path as `sys.executable -I -S _sandbox_launcher.py <json config>` (see
-`tools/sandbox.py`, which also documents the layers); the engine imports it only for
+Run by path as `sys.executable -I -S launcher.py <json config>` (see
+`tools/sandbox/runner.py`, which also documents the layers); the engine imports it only for
 `SETUP_FAILED`, and importing it runs nothing. `-S` skips `site`, so only the standard
 library is used here; `-I` keeps this file's directory off `sys.path`, so no module of the
 `tools` package can shadow a stdlib one.

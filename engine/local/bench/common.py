@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import math
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -85,7 +85,7 @@ class Figure:
     threshold: float | None
     repeats: int
     notes: dict[str, Any] = attrs.field(factory=dict)
-    number: int = 0  # the figure's number in the benchmark's brief (1-6); rows may share one
+    number: int = 0  # the figure's number (1-6); rows may share one
 
     @property
     def ratio(self) -> float | None:
@@ -142,4 +142,4 @@ class InstantInterpreter(tools.Tool):
 
 def instant_interpreter() -> contextlib.AbstractContextManager[tools.Tool]:
     """Register `InstantInterpreter` for a block, then put back whatever was registered before."""
-    return tools.registered(InstantInterpreter())
+    return tools.registry.registered(InstantInterpreter())

@@ -1,8 +1,8 @@
 """Figure 2: what the machine costs per sample (setup) and per transition.
 
 Setup: the engine attaches nothing to a machine; a sample is a `Rollout(...)` and is
-triggered through the one shared machine. The comparison is the pattern the notes warn
-about, `Machine.add_model` per sample, measured on the same machine (same states and
+triggered through the one shared machine. The comparison is the pattern `transitions`' maintainers advise
+against for many models, `Machine.add_model` per sample, measured on the same machine (same states and
 edges). `Rollout` has `__slots__`, so `add_model` could not even bind its trigger methods
 to it: the comparison attaches plain objects, which is the cheapest case for add_model.
 
@@ -22,9 +22,10 @@ from typing import Any
 from engine.machine import actions as a
 from engine.local.bench.common import Figure, Sizes, median
 from engine.config import EngineConfig
-from engine.machine.table import BUDGET_CHECK, TERMINALS, Edge, RolloutMachine, get_machine
+from engine.machine.states import TERMINALS, State
+from engine.machine.table import Edge, RolloutMachine, get_machine
 from engine.profiles.base import ToolCall, Turn
-from engine.machine.rollout import Rollout
+from engine.machine.rollout import Inputs, Rollout, TurnScratch
 from engine.machine.trajectory import InvariantViolation
 from engine.sglang.wire import Reply
 
@@ -38,11 +39,11 @@ _OBSERVATION = list(range(2000, 2011))
 
 def _rollout() -> Rollout:
     """A rollout parked at BUDGET_CHECK with a tool turn and its observation ready to replay."""
-    r = Rollout(_CFG, prompt="p", sampling_params=dict(_PARAMS), allowed_tools=frozenset({"code_interpreter"}),
-                asked_max_new_tokens=1024)
+    r = Rollout(Inputs(_CFG, prompt="p", sampling_params=dict(_PARAMS), allowed_tools=frozenset({"code_interpreter"}),
+                       asked_max_new_tokens=1024))
     r.prompt_ids = list(range(300))
     a.reset_rollout(r)
-    r.state = BUDGET_CHECK
+    r.state = State.BUDGET_CHECK.value
     return r
 
 
@@ -51,11 +52,11 @@ def fsm_cycle(machine: RolloutMachine, r: Rollout, cycles: int) -> None:
     fire = machine.fire
     for _ in range(cycles):
         fire(r, "check")
-        r.reply, r.turn = _REPLY, _TURN
+        r.turn = TurnScratch(reply=_REPLY, parsed=_TURN)
         fire(r, "reply")
-        r.observation_ids = _OBSERVATION
+        r.turn.observation_ids = _OBSERVATION
         fire(r, "observe")
-    assert r.state == BUDGET_CHECK and not r.violation
+    assert r.state == State.BUDGET_CHECK and not r.record.violation
 
 
 Index = dict[tuple[str, str], list[Edge]]
@@ -78,14 +79,14 @@ def plain_fire(index: Index, r: Rollout, trigger: str) -> bool:
             for action in e.actions:
                 action(r)
             r.state = e.dest
-            r.trace.append((e.source, e.trigger, e.dest))
-            r.guards.append(e.guard.__name__ if e.guard else None)
+            r.record.trace.append((e.source, e.trigger, e.dest))
+            r.record.guards.append(e.guard_name)
             if e.reason is not None:
                 r.stop_because(e.reason)
             try:
                 r.traj.check(max_total_length=r.budget_at_end() if e.dest in TERMINALS else None)
             except InvariantViolation as exc:
-                r.violation = str(exc)
+                r.record.violation = str(exc)
             return True
     return False
 
@@ -94,11 +95,11 @@ def plain_cycle(index: Index, r: Rollout, cycles: int) -> None:
     """`fsm_cycle` with `plain_fire` in place of the machine."""
     for _ in range(cycles):
         plain_fire(index, r, "check")
-        r.reply, r.turn = _REPLY, _TURN
+        r.turn = TurnScratch(reply=_REPLY, parsed=_TURN)
         plain_fire(index, r, "reply")
-        r.observation_ids = _OBSERVATION
+        r.turn.observation_ids = _OBSERVATION
         plain_fire(index, r, "observe")
-    assert r.state == BUDGET_CHECK and not r.violation
+    assert r.state == State.BUDGET_CHECK and not r.record.violation
 
 
 def _per_call(fn: Any, count: int) -> float:
@@ -133,8 +134,8 @@ def fsm_figures(sizes: Sizes) -> list[Figure]:
     index = edge_index(machine)
     setup, add_model, fsm, plain = [], [], [], []
     for _ in range(sizes.repeats):
-        setup.append(_per_call(lambda: Rollout(_CFG, prompt="p", sampling_params=dict(_PARAMS), routing_key="k",
-                                               allowed_tools=frozenset({"code_interpreter"}), asked_max_new_tokens=1024),
+        setup.append(_per_call(lambda: Rollout(Inputs(_CFG, prompt="p", sampling_params=dict(_PARAMS), routing_key="k",
+                                               allowed_tools=frozenset({"code_interpreter"}), asked_max_new_tokens=1024)),
                                sizes.fsm_setups))
         add_model.append(_add_model_cost(machine, sizes.add_models))
         r = _rollout()

@@ -63,7 +63,7 @@ async def _http_figures(server: CannedServer, tokenizer: Any, sizes: Sizes, cloc
 
 
 def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[str, Any]]:
-    """Measure every figure; returns the rows in the brief's order and a header of context."""
+    """Measure every figure; returns the rows in figure order and a header of context."""
     started = time.perf_counter()
     clock = _Clock(quiet)
     if tools.get("code_interpreter") is None:

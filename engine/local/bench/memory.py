@@ -20,7 +20,7 @@ from typing import Any
 from engine.machine import actions as a
 from engine.local.bench.common import Figure, Sizes
 from engine.config import EngineConfig
-from engine.machine.rollout import Rollout
+from engine.machine.rollout import Inputs, Rollout, TurnScratch
 from engine.sglang.wire import parse_reply
 
 TURN_TOKENS = 900  # model tokens per turn
@@ -43,18 +43,18 @@ def _reply_body(turn: int) -> dict[str, Any]:
 
 def build_sample(cfg: EngineConfig, tokens: int, text: str) -> Rollout:
     """One rollout holding a `tokens`-long response, built through the engine's actions."""
-    r = Rollout(cfg, prompt="p", sampling_params={"max_new_tokens": TURN_TOKENS}, allowed_tools=frozenset({"code_interpreter"}))
+    r = Rollout(Inputs(cfg, prompt="p", sampling_params={"max_new_tokens": TURN_TOKENS}, allowed_tools=frozenset({"code_interpreter"})))
     r.prompt_ids = list(range(PROMPT_TOKENS))
     a.reset_rollout(r)
     turn = 0
     while r.traj.response_length < tokens:
-        r.reply = parse_reply(_reply_body(turn))
+        r.turn = TurnScratch(reply=parse_reply(_reply_body(turn)))
         a.append_model_turn(r)
-        r.observation_ids = [(turn + i) % 150000 for i in range(min(OBSERVATION_TOKENS, tokens - r.traj.response_length))]
+        r.turn.observation_ids = [(turn + i) % 150000 for i in range(min(OBSERVATION_TOKENS, tokens - r.traj.response_length))]
         a.append_observation(r)
         turn += 1
     r.traj.trim(tokens)
-    r.text = text[:-1] + chr(97 + len(r.trace) % 26)  # a string of its own, as decode would give
+    r.text = text[:-1] + chr(97 + len(r.record.trace) % 26)  # a string of its own, as decode would give
     return r
 
 
@@ -83,7 +83,7 @@ def memory_figure(sizes: Sizes) -> Figure:
         gc.collect()
         after = tracemalloc.get_traced_memory()[0]
         for r in samples:  # what the last reply (ids, logprobs, raw meta_info) alone holds
-            r.reply = None
+            r.turn = TurnScratch()
         gc.collect()
         without_reply = tracemalloc.get_traced_memory()[0]
     finally:
@@ -96,6 +96,6 @@ def memory_figure(sizes: Sizes) -> Figure:
     return Figure(
         "memory", f"bytes per in-flight sample, {tokens}-token response ({n} samples)", per_sample, "B",
         float(raw), "ids+logprobs+mask as Python lists", "value", "<=", float(1 << 20), 1,
-        {"array_payload_bytes": arrays, "text_bytes": sys.getsizeof(one.text), "turns": one.turns,
+        {"array_payload_bytes": arrays, "text_bytes": sys.getsizeof(one.text), "turns": one.turn_count,
          "last_reply_bytes": (after - without_reply) / n, "bytes_per_token": per_sample / tokens},
     )

@@ -110,7 +110,7 @@ async def run_floor(http: httpx.AsyncClient, url: str, payloads: list[dict[str, 
                     n: int, concurrency: int, tag: str, *, connections: int, tick: bool = False) -> Run:
     """The same request sequence per sample with nothing but httpx: post, read, next turn.
 
-    It posts through the same `HttpPool` as the engine's client (see engine/client.py), so
+    It posts through the same `HttpPool` as the engine's client (see engine/sglang/client.py), so
     the two differ by the engine's work alone.
     """
     slots = asyncio.Semaphore(concurrency)

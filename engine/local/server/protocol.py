@@ -1,6 +1,6 @@
 """SGLang's `/generate` wire format: request validation, error bodies, response objects.
 
-Messages and shapes follow SGLang 0.5.x (see the project's sglang-wire reference): validation
+Messages and shapes follow SGLang 0.5.x (the `/generate` format of SGLang's `GenerateReqInput` and its replies): validation
 errors are 400 `{"error": {"message": ...}}`, an unknown sampling key is 400 `{"error": "..."}`
 (the 0.5.23 schema gate), and a body that is not JSON is the FastAPI-style
 `{"object": "error", ..., "type": "Bad Request", "code": 400}`.
@@ -11,14 +11,11 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from engine.local.server.model import LMBackend, SamplerParams
-
-if TYPE_CHECKING:
-    from engine.local.server.scheduler import GenerationResult
 
 DEFAULT_MAX_NEW_TOKENS = 128
 UNBOUNDED_NEW_TOKENS = 1 << 30  # what SGLang uses for `max_new_tokens: null` before clamping
@@ -278,6 +275,19 @@ def output_text(backend: LMBackend, spec: GenerateSpec, output_ids: list[int], f
         if pos != -1:
             text = text[: pos + len(matched)] if spec.no_stop_trim else text[:pos]
     return text
+
+
+@attrs.define
+class GenerationResult:
+    """What a finished request produced; `queued_abort` marks SGLang's reduced meta_info case."""
+
+    output_ids: list[int]
+    logprobs: list[tuple[float, int]]  # (logprob, id); one entry even for max_new_tokens=0
+    finish: dict[str, Any]
+    text: str
+    token_texts: list[str] | None
+    prompt_tokens: int
+    queued_abort: bool = False
 
 
 def build_response(spec: GenerateSpec, result: GenerationResult, *, weight_version: str,

@@ -22,25 +22,12 @@ import attrs
 import torch
 
 from engine.local.server.model import LMBackend, reported_logprobs, sample_token
-from engine.local.server.protocol import GenerateSpec, RequestError, output_text
+from engine.local.server.protocol import GenerateSpec, GenerationResult, RequestError, output_text
 from engine.local.server.replay import ReplayScript
 
 log = logging.getLogger(__name__)
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}  # no status_code/err_type keys
-
-
-@attrs.define
-class GenerationResult:
-    """What a finished request produced; `queued_abort` marks SGLang's reduced meta_info case."""
-
-    output_ids: list[int]
-    logprobs: list[tuple[float, int]]  # (logprob, id); one entry even for max_new_tokens=0
-    finish: dict[str, Any]
-    text: str
-    token_texts: list[str] | None
-    prompt_tokens: int
-    queued_abort: bool = False
 
 
 @attrs.define(eq=False)

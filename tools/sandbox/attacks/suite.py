@@ -144,7 +144,7 @@ def attack(name: str) -> Callable[[AttackFn], AttackFn]:
 
 def all_attacks() -> list[tuple[str, AttackFn]]:
     """Every registered attack (importing the two attack modules registers them)."""
-    # Imported in this order so the report starts with the attacks of tests/test_sandbox.py.
+    # Imported in this order so the report starts with the attacks of tests/tools/test_sandbox.py.
     from tools.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
     from tools.sandbox.attacks import isolation  # noqa: F401
 

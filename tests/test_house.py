@@ -1,0 +1,161 @@
+"""The plan of the house: what a slime job imports, no import circles, pinned faces, tool names.
+
+These pin the layout's rules, so a change that breaks one fails here and not in a slime job.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine
+import tools
+from engine.machine.states import STATES
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "tools")
+
+
+def test_a_slime_job_imports_no_torch_aiohttp_pygraphviz_nor_the_local_or_trace_packages() -> None:
+    code = (
+        "import json, sys; import engine.slime; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'aiohttp', 'pygraphviz') "
+        "or m.startswith(('engine.local', 'engine.trace')))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The project's modules that `path` imports at module level (not inside functions or TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:  # `from pkg import submodule` imports the submodule
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body + node.orelse + node.finalbody)
+
+    visit(tree.body)
+    return {m for m in found if m in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    modules = {_module_name(p) for p in files}
+    return {_module_name(p): _imports(p, modules) - {_module_name(p)} for p in files}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_planted_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circle_among_the_projects_modules() -> None:
+    graph = import_graph()
+    assert "engine.machine.table" in graph and graph["engine.machine.table"] >= {"engine.machine.actions"}
+    assert cycles(graph) == []
+
+
+def test_the_machine_imports_neither_the_loop_nor_the_adapter_nor_the_looking_back() -> None:
+    graph = import_graph()
+    machine = [m for m in graph if m.startswith("engine.machine")]
+    reached = {dep for m in machine for dep in graph[m]}
+    assert not {d for d in reached if d.startswith(("engine.loop", "engine.slime", "engine.trace", "engine.local"))}
+
+
+def test_tools_knows_nothing_of_the_engine() -> None:
+    graph = import_graph()
+    assert not {d for m, deps in graph.items() if m.startswith("tools") for d in deps if d.startswith("engine")}
+
+
+@pytest.mark.parametrize("module, expected", [
+    (engine, ["EngineConfig", "InvariantViolation", "MachineSpec", "RetryPolicy", "Rollout", "Runtime", "State",
+              "Trajectory", "Trigger", "drive", "get_machine", "new_rollout"]),
+    (tools, ["Tool", "ToolError", "ToolResult", "call_timeout", "get", "names", "register", "tool"]),
+])
+def test_the_faces_export_a_deliberate_list(module: object, expected: list[str]) -> None:
+    exported = sorted(getattr(module, "__all__"))
+    assert exported == sorted(expected)
+    public = {n for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, type(sys))}
+    assert public == set(exported), "a public name that is not in __all__ (or the reverse)"
+
+
+@pytest.mark.parametrize("name", ["call"])
+def test_a_tool_named_after_a_core_state_is_refused_at_registration(name: str) -> None:
+    core = {d.name for d in STATES}
+    assert f"TOOL_{name.upper()}" in core
+
+    with pytest.raises(ValueError, match=r"'call' would get the state TOOL_CALL, which is a core state"):
+
+        @tools.tool
+        async def call(x: str) -> str:
+            return x
+
+    assert "call" not in tools.names()
+
+
+@pytest.mark.parametrize("name", ["", "Bad", "has space", "1abc", "_x", "ünï", "a-b"])
+def test_a_name_that_cannot_form_a_state_is_refused(name: str) -> None:
+    class Named(tools.Tool):
+        async def execute(self, session: object, **arguments: object) -> str:
+            return ""
+
+    tool = Named()
+    tool.name = name  # type: ignore[misc]
+    with pytest.raises(ValueError, match="tool name must be lowercase letters"):
+        tools.register(tool)
+    assert name not in tools.names()
