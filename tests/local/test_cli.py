@@ -276,12 +276,12 @@ def test_config_gives_the_settings_slime_would_read(tmp_path: Path) -> None:
 
 
 def test_soak_and_bench_stop_before_starting_when_the_sandbox_cannot_work(capsys: pytest.CaptureFixture[str]) -> None:
-    import tools
     from engine.local.bench.main import main_bench
     from engine.local.soak import main_soak
     from tests.support.broken_tools import REASON, DeadSandbox
+    from tools.registry import registered
 
-    with tools.registered(DeadSandbox()):
+    with registered(DeadSandbox()):
         soak = main_soak(argparse.Namespace(samples=10, concurrency=4, faults="default", seed=0, json=False))
         bench = main_bench(argparse.Namespace(small=True, json=False, samples=None, turns=None, repeats=None))
     err = capsys.readouterr().err

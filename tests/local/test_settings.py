@@ -112,6 +112,7 @@ def test_every_setting_documents_itself() -> None:
 
 def test_tool_check_reasons(caplog: pytest.LogCaptureFixture) -> None:
     import tools
+    from tools.registry import registered
 
     class Checked(tools.Tool):
         name = "checked_tool"
@@ -130,17 +131,17 @@ def test_tool_check_reasons(caplog: pytest.LogCaptureFixture) -> None:
         async def execute(self, state: object, **arguments: object) -> str:
             return ""
 
-    with tools.registered(Checked(None)):
+    with registered(Checked(None)):
         assert run(check_tools(["checked_tool"])) == {}
-    with tools.registered(Checked("probe failed: no user namespaces")):
+    with registered(Checked("probe failed: no user namespaces")):
         assert run(check_tools(["checked_tool"])) == {"checked_tool": "probe failed: no user namespaces"}
         with caplog.at_level(logging.ERROR, logger="engine.loop.preflight"):
             run(log_tool_problems(["checked_tool"]))
             run(log_tool_problems(["checked_tool"]))
         assert [r.getMessage() for r in caplog.records].count(
             "tool checked_tool cannot work: probe failed: no user namespaces; every call to it will return an error") == 1
-    with tools.registered(Checked(OSError("boom"))):
+    with registered(Checked(OSError("boom"))):
         assert run(check_tools(["checked_tool"])) == {"checked_tool": "its check failed: OSError: boom"}
-    with tools.registered(Checked("hang")):
+    with registered(Checked("hang")):
         assert run(check_tools(["checked_tool"], timeout=0.05)) == {"checked_tool": "its check did not answer within 0.05 s"}
     assert run(check_tools(["no_such_tool"])) == {"no_such_tool": "not registered"}
