@@ -260,6 +260,21 @@ def _namespace_keys(args: Any) -> list[str]:
         return [k for k in dir(args) if not k.startswith("_")]
 
 
+def _hashable(value: Any) -> Any:
+    """A value as a cache key: lists (engine_tools from YAML) become tuples, the rest by identity if unhashable."""
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", id(value))
+    return (type(value), value)  # 1, 1.0 and True stay apart: they read differently
+
+
+_FROM_ARGS_CACHE = 64
+_from_args_cache: dict[Any, EngineConfig] = {}
+
+
 # -- the settings ---------------------------------------------------------------------------
 
 
@@ -303,7 +318,21 @@ class EngineConfig:
         """Read slime's argparse namespace (`engine_*` keys come from `--custom-config-path` YAML).
 
         Every key is checked against `SETTINGS`; raises SettingsError with one clear sentence.
+        slime calls this once per sample with the same `args`: the result is remembered by the
+        values it was read from, and the namespace is scanned for unknown keys once per object.
         """
+        seen = (id(args), tuple(_hashable(getattr(args, key, None)) for key in SETTINGS))
+        cached = _from_args_cache.get(seen)
+        if cached is not None:
+            return cached
+        cfg = cls._read_args(args)
+        if len(_from_args_cache) >= _FROM_ARGS_CACHE:
+            _from_args_cache.clear()
+        _from_args_cache[seen] = cfg
+        return cfg
+
+    @classmethod
+    def _read_args(cls, args: Any) -> EngineConfig:
         for key, closest in unknown_engine_keys(_namespace_keys(args)).items():
             warn_once(unknown_key_message(key, closest))
 

@@ -27,6 +27,7 @@ def fresh_warnings() -> None:
     import engine.config
 
     engine.config._warned.clear()
+    engine.config._from_args_cache.clear()
 
 
 @pytest.mark.parametrize(("key", "value", "says"), [
@@ -102,6 +103,19 @@ def test_an_unknown_engine_key_is_warned_once_with_the_closest_key(caplog: pytes
     assert said.count("unknown engine setting engine_zzz_qqq (ignored)") == 1
     assert not any("other_slime_arg" in s for s in said)  # slime's own args are not ours to judge
     assert cfg.max_turns == 16  # the typo set nothing
+
+
+def test_remembered_settings_follow_a_changed_args() -> None:
+    args = make_args(engine_max_turns=4, engine_tools=["code_interpreter"])
+    first = EngineConfig.from_args(args)
+    assert EngineConfig.from_args(args) is first  # once per sample: read once
+    args.engine_max_turns = 5
+    assert EngineConfig.from_args(args).max_turns == 5
+    args.engine_tools.append("python_session")  # changed in place: still seen
+    assert EngineConfig.from_args(args).tools == ("code_interpreter", "python_session")
+    args.engine_max_turns = 0
+    with pytest.raises(SettingsError):
+        EngineConfig.from_args(args)
 
 
 def test_every_setting_documents_itself() -> None:
