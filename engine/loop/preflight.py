@@ -10,6 +10,7 @@ a tool without one is taken as able. Under slime, `log_tool_problems` logs one c
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Iterable
 
@@ -29,7 +30,8 @@ async def check_tool(name: str, timeout: float = CHECK_TIMEOUT) -> str | None:
     if check is None:
         return None
     try:
-        reason = await asyncio.wait_for(check(), timeout)
+        outcome = check()  # async by contract; a plain function's answer is taken as it is
+        reason = await asyncio.wait_for(outcome, timeout) if inspect.isawaitable(outcome) else outcome
     except asyncio.TimeoutError:
         return f"its check did not answer within {timeout:g} s"
     except Exception as exc:  # a broken check is a broken tool: say what it raised
