@@ -48,7 +48,7 @@ MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 # Per-mount flags a read-only bind remount must repeat, or the kernel refuses it (EPERM).
 KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "relatime": 1 << 21}
 CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWIPC = 0x40000000, 0x00020000, 0x08000000
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_SETPERM, KEYCTL_CLEAR = 0, 1, 5, 7
 KEYCTL_INVALIDATE, KEYCTL_GET_PERSISTENT = 21, 22
 KEY_SPEC_SESSION_KEYRING = -3
@@ -230,6 +230,9 @@ def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
         except ProcessLookupError:
             pass
         reroute_import_paths(sys_path, held)
+        # The uid change made us undumpable (root-owned /proc/self); an exec by the uid would
+        # have reset that. Only this uid's processes gain access, and nothing here is secret.
+        libc.prctl(PR_SET_DUMPABLE, 1, "prctl(PR_SET_DUMPABLE)")
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")  # the zygote gone: so are we
     os.chdir(cfg["workdir"])
 
