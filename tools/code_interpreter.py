@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import attrs
 
 from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, register
-from tools.sandbox.probe import probe
+from tools.sandbox.probing import probe
 from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
 
 _TRACEBACK = "Traceback (most recent call last):\n"
