@@ -348,6 +348,25 @@ def _remove_files(uid: int, workdir: str | None) -> None:
                 pass  # gone meanwhile
 
 
+def clean_group(pgid: int | None, workdir: str | None) -> int:
+    """The cleanup helper without a uid of the run's own: SIGKILL what is left of its process
+    group (a process that called setsid escapes this) and wait until it is gone, then
+    remove the working directory. Exit code: 0, or `CLEAN_STRAYS` when it killed something."""
+    found = False
+    if pgid is not None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+                found = True
+            except OSError:
+                break  # ESRCH: the group is gone (its zombies reaped too)
+            time.sleep(0.002)
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return CLEAN_STRAYS if found else 0
+
+
 def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) -> int:
     """The cleanup helper, already forked: as `uid`, kill everything of it, then clear its
     keyrings, SysV objects (`shared_ipc`) and files (`shared_fs`). Exit code: 0, or

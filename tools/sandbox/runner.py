@@ -496,7 +496,7 @@ async def run_python(
         stdin_fd = _memfd("sandbox-stdin", stdin) if stdin is not None else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         own.append(stdin_fd)
         own.append(_memfd("sandbox-code", code.encode("utf-8", errors="surrogateescape")))
-        run_id, fut = z.submit(cfg, [stdin_fd, out_w, err_w, own[-1]],
+        run_id, fut = z.submit(cfg, [stdin_fd, out_w, err_w, own[-1], *([lease.fd] if lease else [])],
                                on_done=(lambda d, held=lease: _release(held, not d["error"])) if lease else None)
     except BaseException:
         out.close()

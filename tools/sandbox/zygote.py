@@ -39,7 +39,7 @@ import types
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MAX_FDS = 4  # stdin, stdout, stderr, code
+MAX_FDS = 5  # stdin, stdout, stderr, code, and the uid lease lock (held until cleaned up)
 
 
 def _import_child() -> types.ModuleType:
@@ -156,7 +156,11 @@ class Zygote:
                 fds += list(memoryview(payload).cast("i"))
         msg = json.loads(data)
         if msg["op"] == "run":
-            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds, "killed": False, "pid": None, "rc": None,
+            # The lease lock (a dup of the engine's flocked descriptor) is held until the run is
+            # cleaned up, so a uid is never leased again while we may still kill(-1) as it,
+            # even when the engine died first.
+            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds[:4], "hold": fds[4:], "killed": False, "pid": None,
+                   "rc": None,
                    "t": [time.monotonic()]}
             self.runs[msg["id"]] = run
             if msg["cfg"].get("dirty"):  # a lease a crashed engine left: clean before use
@@ -221,7 +225,7 @@ class Zygote:
     def needs_clean(self, cfg: dict[str, Any]) -> bool:
         """Whether the run may have left anything: processes, keys, shared IPC objects, files."""
         if cfg["uid"] is None:
-            return not cfg["mntns"]  # only its working directory, on the host's /tmp
+            return True  # its process group may be dying still, its working directory on the host
         shared = not (cfg["mntns"] and cfg["ipcns"] and cfg["cgroups"])
         return shared or child.cgroups_busy(cfg["cgroups"]) or child.key_state(cfg["uid"]) != ""
 
@@ -238,10 +242,7 @@ class Zygote:
                 self.ctl.detach()
                 os.closerange(3, 1 << 20)
                 if uid is None:
-                    import shutil
-
-                    shutil.rmtree(workdir, ignore_errors=True)
-                    code = 0
+                    code = child.clean_group(run["pid"], workdir)
                 else:
                     # A crashed engine's run (first) may have used any mode: clean everything.
                     code = child.clean_uid(uid, workdir, first or not cfg["ipcns"], first or not cfg["mntns"])
@@ -271,6 +272,8 @@ class Zygote:
 
     def finish(self, run: dict[str, Any], rc: int | None, strays: bool, error: str | None = None) -> None:
         self.close_fds(run)
+        for fd in run["hold"]:
+            os.close(fd)
         self.runs.pop(run["id"], None)
         run["t"].append(time.monotonic())  # received, run exited, cleaned up (CLOCK_MONOTONIC)
         send(self.ctl, {"id": run["id"], "event": "done", "rc": rc, "strays": strays, "error": error, "t": run["t"]})
