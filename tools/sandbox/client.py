@@ -210,12 +210,3 @@ def shutdown() -> None:
         if _current is not None:
             _current.close()
             _current = None
-
-
-def pidfd_supported() -> bool:
-    """The zygote waits for its children through pidfds (Linux 5.3+)."""
-    try:
-        os.close(os.pidfd_open(os.getpid()))
-        return True
-    except (OSError, AttributeError):
-        return False

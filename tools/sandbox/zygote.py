@@ -6,8 +6,9 @@ session, and one end of a SOCK_SEQPACKET socket pair as its only link to the eng
 imports `child.py`, preloads some modules, checks that it is single-threaded, says
 "ready", then serves: `run` (fork a child that becomes the sandbox and runs the code
 without exec: it costs a fork, not an interpreter start), `kill` (SIGKILL a run's process
-group), and, after each run, a forked cleanup helper (`child.clean_uid`). It reaps its own
-children, so a pid it signals is never a recycled one. When the engine's end of the socket
+group), and, after a run that may have left something, a forked cleanup helper
+(`child.clean_uid`). It reaps its own children (and, as a child subreaper, the runs'
+orphans), and signals a run only until it reaped it, so a pid it signals is never recycled. When the engine's end of the socket
 closes, it kills every run, cleans up, and exits.
 
 Why what a child inherits from this warm parent is safe:
@@ -39,6 +40,7 @@ import types
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PR_SET_CHILD_SUBREAPER = 36
 MAX_FDS = 5  # stdin, stdout, stderr, code, and the uid lease lock (held until cleaned up)
 
 
@@ -130,7 +132,15 @@ class Zygote:
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, None)
         self.runs: dict[int, dict[str, Any]] = {}  # id -> run record
-        self.waiting: dict[int, tuple[int, int, str]] = {}  # pidfd -> (run id, pid, "run" | "pre" | "clean")
+        self.waiting: dict[int, tuple[int, str]] = {}  # pid -> (run id, "run" | "pre" | "clean")
+        # SIGCHLD wakes the selector. As a child subreaper we inherit every orphan of the runs
+        # (a killed daemon's zombie parent, ...) and reap it at once, so no zombie of a uid
+        # lingers under an init that reaps slowly, counting against the uid's next lessee.
+        child.Libc().prctl(PR_SET_CHILD_SUBREAPER, 1, "prctl(PR_SET_CHILD_SUBREAPER)")
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "sigchld")
 
     def serve(self) -> None:
         """Serve until the engine closes its end."""
@@ -141,7 +151,24 @@ class Zygote:
                         self.shutdown()
                         return
                 else:
-                    self.on_exit(key.fd)
+                    self.reap()
+
+    def reap(self) -> None:
+        """Reap every exited child; runs and helpers move on, orphans are just gone."""
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.waiting:
+                self.on_exit(pid, os.waitstatus_to_exitcode(status))
 
     def on_request(self) -> bool:
         try:
@@ -159,7 +186,7 @@ class Zygote:
             # The lease lock (a dup of the engine's flocked descriptor) is held until the run is
             # cleaned up, so a uid is never leased again while we may still kill(-1) as it,
             # even when the engine died first.
-            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds[:4], "hold": fds[4:], "killed": False, "pid": None,
+            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds[:4], "hold": fds[4:], "killed": False, "pid": None, "strays": False,
                    "rc": None,
                    "t": [time.monotonic()]}
             self.runs[msg["id"]] = run
@@ -178,9 +205,7 @@ class Zygote:
         return True
 
     def watch(self, pid: int, run_id: int, what: str) -> None:
-        pidfd = os.pidfd_open(pid)
-        self.waiting[pidfd] = (run_id, pid, what)
-        self.sel.register(pidfd, selectors.EVENT_READ, pid)
+        self.waiting[pid] = (run_id, what)
 
     def start_run(self, run: dict[str, Any]) -> None:
         if run["killed"]:
@@ -206,6 +231,7 @@ class Zygote:
                 os.dup2(fd, target)
             with os.fdopen(code_fd, "rb") as f:
                 code = f.read()
+            signal.set_wakeup_fd(-1)  # else a signal would write into whatever file gets its number
             self.ctl.detach()  # closed just below: the object must not close a reused number
             os.closerange(3, 1 << 20)  # only stdio remains: no way back to the zygote
             child.enter(cfg, sys.path)
@@ -239,10 +265,12 @@ class Zygote:
         if pid == 0:  # pragma: no cover - the helper
             code = 1
             try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 self.ctl.detach()
                 os.closerange(3, 1 << 20)
                 if uid is None:
-                    code = child.clean_group(run["pid"], workdir)
+                    code = child.clean_group(run.get("pgid"), workdir)
                 else:
                     # A crashed engine's run (first) may have used any mode: clean everything.
                     code = child.clean_uid(uid, workdir, first or not cfg["ipcns"], first or not cfg["mntns"])
@@ -250,24 +278,21 @@ class Zygote:
                 os._exit(code)
         self.watch(pid, run["id"], "pre" if first else "clean")
 
-    def on_exit(self, pidfd: int) -> None:
-        run_id, pid, what = self.waiting.pop(pidfd)
-        self.sel.unregister(pidfd)
-        os.close(pidfd)
-        rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    def on_exit(self, pid: int, rc: int) -> None:
+        run_id, what = self.waiting.pop(pid)
         run = self.runs[run_id]
         if what == "run":
             run["t"].append(time.monotonic())
-            run["rc"] = rc
+            run["rc"], run["pid"] = rc, None  # reaped: its pid may be anyone's now, never signal it again
             strays = False
             if run["cfg"]["uid"] is None:  # reaped: a group member left keeps the pgid taken
                 strays = self.killpg(pid)
-            run["strays"] = strays
+            run["strays"], run["pgid"] = strays, pid
             self.start_clean(run)
         elif what == "pre":
             self.start_run(run)
         else:
-            self.finish(run, run["rc"], run.get("strays", False) or rc == child.CLEAN_STRAYS,
+            self.finish(run, run["rc"], run["strays"] or rc == child.CLEAN_STRAYS,
                         None if rc in (0, child.CLEAN_STRAYS) else f"the cleanup helper exited {rc}")
 
     def finish(self, run: dict[str, Any], rc: int | None, strays: bool, error: str | None = None) -> None:
@@ -294,7 +319,8 @@ class Zygote:
         while self.waiting:
             for key, _ in self.sel.select(timeout=10):
                 if key.data is not None:
-                    self.on_exit(key.fd)
+                    self.reap()
+        self.reap()  # the zombies of what the helpers killed: not left to init
 
 
 def main() -> None:

@@ -7,8 +7,9 @@ program got, the host's process table, files and free disk space, the signals th
 received - never from the configuration. The "how" column names the mechanism that the
 observation points at, e.g. `network namespace: connect -> ENETUNREACH`.
 
-The attacks live in `resources.py` (limits, processes, cleanup) and
-`isolation.py` (files, network, privileges, other processes); this module holds
+The attacks live in `resources.py` (limits, processes, cleanup), `isolation.py` (files,
+network, privileges, other processes) and `kernel.py` (memory across processes, shared
+memory, SysV, keyrings, uid reuse after a crash, a venv under /tmp); this module holds
 what they share (`Lab`, `attack`), the runner and the report. After each attack, no
 process of a sandbox uid that attack's runs used may be alive: a survivor marks the attack
 not contained whatever else was seen.
@@ -147,6 +148,7 @@ def all_attacks() -> list[tuple[str, AttackFn]]:
     # Imported in this order so the report starts with the attacks of tests/test_sandbox.py.
     from tools.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
     from tools.sandbox.attacks import isolation  # noqa: F401
+    from tools.sandbox.attacks import kernel  # noqa: F401
 
     return list(ATTACKS)
 
