@@ -94,6 +94,17 @@ class Libc:
         return int(self.lib.syscall(SYS_KEYCTL, *(ctypes.c_long(a) for a in args)))
 
 
+_libc: Libc | None = None
+
+
+def libc() -> Libc:
+    """The process's `Libc`, made once (in the zygote, so no forked child pays the dlopen)."""
+    global _libc
+    if _libc is None:
+        _libc = Libc()
+    return _libc
+
+
 def become(uid: int) -> None:
     """Drop from root to `uid` (group too, no supplementary groups)."""
     os.setgroups([])
@@ -203,7 +214,7 @@ def reroute_import_paths(sys_path: list[str], held: dict[str, int]) -> None:
 
 def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
     """Turn this freshly forked process into the run's sandbox (see the module docstring)."""
-    libc = Libc()
+    lib = libc()
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)  # SIGPIPE: as python does
@@ -213,18 +224,18 @@ def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
     flags = (CLONE_NEWNET if cfg["netns"] else 0) | (CLONE_NEWNS if cfg["mntns"] else 0)
     flags |= CLONE_NEWIPC if cfg["ipcns"] else 0
     if flags:
-        libc.unshare(flags)
+        lib.unshare(flags)
     uid = cfg["uid"]
     held = hold_import_paths(sys_path) if uid is not None and not cfg["mntns"] else {}
     if cfg["mntns"]:
-        isolate_fs(libc, cfg, uid if uid is not None else os.getuid())
+        isolate_fs(lib, cfg, uid if uid is not None else os.getuid())
     else:
         os.mkdir(cfg["workdir"], 0o700)
         if uid is not None:
             os.chown(cfg["workdir"], uid, uid)
     if uid is not None:
         become(uid)
-        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(PR_SET_NO_NEW_PRIVS)")  # setuid binaries cannot undo the drop
+        lib.prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(PR_SET_NO_NEW_PRIVS)")  # setuid binaries cannot undo the drop
         try:  # leftovers of a crashed engine that held this uid before us
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
@@ -232,8 +243,8 @@ def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
         reroute_import_paths(sys_path, held)
         # The uid change made us undumpable (root-owned /proc/self); an exec by the uid would
         # have reset that. Only this uid's processes gain access, and nothing here is secret.
-        libc.prctl(PR_SET_DUMPABLE, 1, "prctl(PR_SET_DUMPABLE)")
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")  # the zygote gone: so are we
+        lib.prctl(PR_SET_DUMPABLE, 1, "prctl(PR_SET_DUMPABLE)")
+    lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")  # the zygote gone: so are we
     os.chdir(cfg["workdir"])
 
 
@@ -372,7 +383,7 @@ def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) 
     keyrings, SysV objects (`shared_ipc`) and files (`shared_fs`). Exit code: 0, or
     `CLEAN_STRAYS` when processes had to be killed."""
     become(uid)
-    libc = Libc()
+    lib = libc()
     found = _has_processes(uid)
     if found:
         os.kill(-1, signal.SIGKILL)  # atomic with respect to fork, unlike any scan
@@ -382,12 +393,12 @@ def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) 
     # The user, user-session and persistent keyrings outlive every process of the uid: empty
     # them and invalidate them (the kernel then frees them), by serial number, because looking
     # one up by its special id would create the others again.
-    serials = [libc.keyctl(KEYCTL_GET_KEYRING_ID, ring, 0) for ring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING)]
-    serials.append(libc.keyctl(KEYCTL_GET_PERSISTENT, -1, 0))  # -1: our uid; 0: link nowhere
+    serials = [lib.keyctl(KEYCTL_GET_KEYRING_ID, ring, 0) for ring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING)]
+    serials.append(lib.keyctl(KEYCTL_GET_PERSISTENT, -1, 0))  # -1: our uid; 0: link nowhere
     for serial in serials:
         if serial > 0:
-            libc.keyctl(KEYCTL_CLEAR, serial)
-            libc.keyctl(KEYCTL_INVALIDATE, serial)
+            lib.keyctl(KEYCTL_CLEAR, serial)
+            lib.keyctl(KEYCTL_INVALIDATE, serial)
     if shared_ipc:
         _remove_ipc(uid)
     if shared_fs:

@@ -46,7 +46,8 @@ Done = dict[str, Any]  # {"rc": int | None, "strays": bool, "error": str | None}
 class ZygoteClient:
     """One running zygote: `submit` runs, `kill` them; thread-safe."""
 
-    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] | None = None) -> None:
+        preload = PRELOAD if preload is None else preload
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()  # the zygote's stderr: read only when it failed
         try:

@@ -136,7 +136,7 @@ class Zygote:
         # SIGCHLD wakes the selector. As a child subreaper we inherit every orphan of the runs
         # (a killed daemon's zombie parent, ...) and reap it at once, so no zombie of a uid
         # lingers under an init that reaps slowly, counting against the uid's next lessee.
-        child.Libc().prctl(PR_SET_CHILD_SUBREAPER, 1, "prctl(PR_SET_CHILD_SUBREAPER)")
+        child.libc().prctl(PR_SET_CHILD_SUBREAPER, 1, "prctl(PR_SET_CHILD_SUBREAPER)")
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
@@ -329,7 +329,7 @@ def main() -> None:
     sys.dont_write_bytecode = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when we stop, by closing the socket
     ctl = socket.socket(fileno=start["fd"])
-    child.seal_session_keyring(child.Libc())
+    child.seal_session_keyring(child.libc())
     preloaded, failed = [], []
     for name in start["preload"]:
         try:
