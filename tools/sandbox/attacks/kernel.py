@@ -117,7 +117,7 @@ for _ in range(16):
     os.write(keep[-1], b'1' * (1 << 20))
 """,
     "/dev/shm": """
-with open(f'/dev/shm/fill{len(keep)}', 'wb') as f:
+with open(f'/dev/shm/TAG-{len(keep)}', 'wb') as f:
     keep.append(f.name)
     for _ in range(16):
         f.write(b'1' * (1 << 20))
@@ -129,8 +129,10 @@ with open(f'/dev/shm/fill{len(keep)}', 'wb') as f:
 async def shared_memory(lab: Lab) -> Verdict:
     limit, target = 256 * _MIB, 1024 * _MIB
     before = _meminfo("Shmem")
-    peak, taken, stops = 0, {}, {}
+    peak, taken, stops, pids = 0, {}, {}, set()
+    tag = f"attack-{uuid.uuid4().hex[:8]}"
     for kind, step in _FILLS.items():  # one run each: a kill in one must not hide the others
+        step = step.replace("TAG", tag)
         code = f"""
 import ctypes, os
 lib = ctypes.CDLL(None, use_errno=True)
@@ -150,11 +152,13 @@ except OSError as e:
         task = asyncio.create_task(lab.run(code, memory_bytes=limit, timeout_s=20.0))
         peak = max(peak, await _watch(task, lambda: _meminfo("Shmem") - before))
         run = task.result()
+        pids.add(run.facts.get("pid"))
         taken[kind] = run.facts.get("mib", 0)
         stops[kind] = run.facts.get("stop") or ("SIGKILL" if run.result.returncode == -signal.SIGKILL else
                                                  f"exit {run.result.returncode}")
     await asyncio.sleep(0.2)  # a freed namespace's segments go a moment after its last process
     left = _meminfo("Shmem") - before
+    _remove_litter(tag, pids)  # observed; now free what a weaker sandbox left on the host
     contained = all(mib * _MIB <= limit for mib in taken.values()) and peak <= limit + 32 * _MIB \
         and left <= 32 * _MIB
     how = ("cgroup memory counts SysV, memfd and tmpfs pages; namespaces free them with the run"
@@ -162,6 +166,24 @@ except OSError as e:
     got = ", ".join(f"{k} {taken[k]} MiB ({stops[k]})" for k in taken)
     return Verdict(contained, how, f"{got} of {target // _MIB} MiB tried, limit {limit // _MIB} MiB; host Shmem "
                    f"+{peak // _MIB} MiB at peak, +{left // _MIB} MiB after")
+
+
+def _remove_litter(tag: str | None, pids: set[object]) -> None:
+    """Remove the attack's /dev/shm files and the SysV segments its runs created on the host."""
+    for name in os.listdir("/dev/shm") if tag else []:
+        if name.startswith(tag):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", name))
+    try:
+        with open("/proc/sysvipc/shm") as f:
+            header, *rows = f.read().splitlines()
+    except OSError:
+        return
+    cols = header.split()
+    for row in rows:
+        fields = dict(zip(cols, row.split()))
+        if int(fields["cpid"]) in pids:
+            subprocess.run(["ipcrm", "-m", fields["shmid"]], check=False, capture_output=True)
 
 
 def _host_sysv(uids: range) -> list[str]:
@@ -213,9 +235,10 @@ report(found=found, listed=listed)
     uids = range(sandbox.UID_BASE, sandbox.UID_BASE + sandbox.UID_COUNT)
     on_host = _host_sysv(uids)
     f = second.facts
+    _remove_litter(None, {own.facts.get("pid")})
     contained = "seg" in own.facts and secret not in f.get("found", "") and f.get("by_key") == "ENOENT" and not on_host
-    return Verdict(contained, f"IPC namespace per run: shmget(its key) -> {f.get('by_key')}, "
-                   f"{f.get('listed')} segments listed",
+    where = "IPC namespace per run" if contained else "not isolated"
+    return Verdict(contained, f"{where}: shmget(its key) -> {f.get('by_key')}, {f.get('listed')} segments listed",
                    f"secret {'READ' if secret in f.get('found', '') else 'not found'} by the concurrent run; "
                    f"sandbox SysV objects left on the host: {on_host or 'none'}")
 
@@ -367,7 +390,8 @@ async def venv_under_tmp(lab: Lab) -> Verdict:
         planted = (venv / "pwned").exists()
     ran = facts.get("prefix") == str(venv)
     contained = ran and facts.get("write") not in ("ok", None) and not planted
-    how = (f"the venv is bound read-only into the sandbox: write -> {facts.get('write')}" if ran
+    how = (f"the venv is bound read-only into the sandbox: write -> {facts.get('write')}" if contained
+           else f"the code ran, but the venv is writable: write -> {facts.get('write')}" if ran
            else f"the code did not run: {(err or out).strip()[-120:]}")
     return Verdict(contained, how, f"sys.prefix {facts.get('prefix', '?')}; host file {'WRITTEN' if planted else 'absent'}")
 
