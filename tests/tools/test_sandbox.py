@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from tools import code_interpreter, python_session, registry
-from tools.sandbox import runner as sandbox
 from tools.code_interpreter import format_result
 from tools.registry import ToolError
+from tools.sandbox import runner as sandbox
 from tools.sandbox.runner import (
     UID_BASE,
     UID_COUNT,

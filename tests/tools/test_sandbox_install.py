@@ -21,9 +21,8 @@ import attrs
 import pytest
 
 from tools import ToolUnavailable, code_interpreter, python_session, registry
-from tools.sandbox import SandboxProbe, probe, probe_sync
+from tools.sandbox import SandboxProbe, probe, probe_sync, runner
 from tools.sandbox import probing as probe_module
-from tools.sandbox import runner
 
 PROJECT = Path(__file__).resolve().parents[2]
 ROOT = os.geteuid() == 0

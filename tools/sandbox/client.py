@@ -15,7 +15,6 @@ import concurrent.futures
 import itertools
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -49,9 +48,9 @@ class ZygoteClient:
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] | None = None) -> None:
         preload = PRELOAD if preload is None else preload
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.log = tempfile.TemporaryFile()  # the zygote's stderr: read only when it failed
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the zygote's stderr, kept for its life
         try:
-            self.proc = subprocess.Popen(  # noqa: S603 - our own program, by absolute path
+            self.proc = subprocess.Popen(
                 [sys.executable, "-I", ZYGOTE, json.dumps({"fd": theirs.fileno(), "preload": list(preload)})],
                 env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log,
                 pass_fds=[theirs.fileno()], start_new_session=True,
@@ -152,7 +151,7 @@ class ZygoteClient:
         if on_done is not None:
             try:
                 on_done(msg)
-            except Exception:  # noqa: BLE001 - the reader must outlive any one run's bookkeeping
+            except Exception:
                 logging.getLogger(__name__).exception("sandbox run cleanup callback failed")
         if fut is not None and not fut.done():
             fut.set_result(msg)

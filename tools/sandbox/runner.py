@@ -451,7 +451,8 @@ class _Collector:
             def connection_lost(self, exc: Exception | None) -> None:
                 collector.lost(fd)
 
-        transport, _ = await asyncio.get_running_loop().connect_read_pipe(Stream, open(raw, "rb", buffering=0))
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            Stream, open(raw, "rb", buffering=0))  # noqa: SIM115, ASYNC230 - a pipe; the transport owns and closes it
         self.transports.append(transport)
 
     def close(self) -> None:

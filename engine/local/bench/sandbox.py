@@ -242,9 +242,9 @@ def probe_isolation() -> dict[str, Any]:
 
 def main() -> int:
     """`python -m engine.local.bench.sandbox [--small]`: only the sandbox's figures."""
-    import argparse  # noqa: PLC0415
+    import argparse
 
-    from engine.local.bench.report import format_table  # noqa: PLC0415
+    from engine.local.bench.report import format_table
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--small", action="store_true")

@@ -380,12 +380,13 @@ async def venv_under_tmp(lab: Lab) -> Verdict:
         await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "venv", "--system-site-packages",
                                                  "--without-pip", str(venv)], check=True, timeout=120)
         code = "import colorsys, sys\nreport(prefix=sys.prefix, write=attempt(lambda: open(sys.prefix + '/pwned', 'w')))\n"
-        engine = subprocess.Popen(
-            [str(venv / "bin" / "python"), "-c",
-             "import asyncio, sys\nfrom tools.sandbox import run_python\n"
-             "r = asyncio.run(run_python(sys.stdin.read()))\nprint(r.stdout, r.stderr[-300:])"],
-            cwd=PROJECT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = await asyncio.to_thread(engine.communicate, PRELUDE + code, 120)
+        engine = (
+            "import asyncio, sys\nfrom tools.sandbox import run_python\n"
+            "r = asyncio.run(run_python(sys.stdin.read()))\nprint(r.stdout, r.stderr[-300:])"
+        )
+        done = await asyncio.to_thread(subprocess.run, [str(venv / "bin" / "python"), "-c", engine], cwd=PROJECT,
+                                       input=PRELUDE + code, capture_output=True, text=True, timeout=120, check=False)
+        out, err = done.stdout, done.stderr
         facts = {k: v for line in out.splitlines() if line.startswith("@@") for k, v in json.loads(line[2:]).items()}
         planted = (venv / "pwned").exists()
     ran = facts.get("prefix") == str(venv)

@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from tools.sandbox import runner as sandbox
 from tools.code_interpreter import current_limits
+from tools.sandbox import runner as sandbox
 from tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
 
 PROJECT = Path(__file__).resolve().parents[3]  # the checkout (or site-packages) holding `tools`
@@ -240,12 +240,15 @@ async def run_suite(names: list[str] | None = None, lab: Lab | None = None) -> l
 
 
 def describe_sandbox(lab: Lab) -> str:
-    """One line on the layers in use: a uid per run if the runs reported one, and the
-    namespaces the sandbox's probe found."""
+    """One line on the layers in use: a uid per run if the runs reported one, and what the
+    sandbox's probe found (namespaces, cgroup kind, zygote)."""
+    caps = sandbox.capabilities()
+    yes = {True: "yes", False: "no"}
     return (
-        f"uid per run {'yes' if lab.uids else 'no'}, "
-        f"network namespace {'yes' if sandbox.network_isolated() else 'no'}, "
-        f"mount namespace {'yes' if sandbox.filesystem_isolated() else 'no'}"
+        f"uid per run {yes[bool(lab.uids)]}, network namespace {yes[caps['netns']]}, "
+        f"mount namespace {yes[caps['mntns']]}, IPC namespace {yes[caps['ipcns']]}, "
+        f"memory and tasks per run: {'cgroup ' + caps['cgroup'] if caps['cgroup'] != 'rlimits' else 'rlimits'}, "
+        f"zygote {yes[caps['zygote']]}"
     )
 
 
