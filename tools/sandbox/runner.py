@@ -484,14 +484,17 @@ async def run_python(
     workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{nonce}")
     cfg = _config(limits, uid, caps, workdir=workdir, nonce=nonce, dirty=bool(lease and lease.dirty))
     out = _Collector(limits.output_bytes, limits.drain_bytes)
-    own: list[int] = []
+    own: list[int] = []  # ours to close once sent (the zygote got copies)
+    unread: list[int] = []  # read ends not handed to a transport yet
     try:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        own += [out_w]
+        own.append(out_w)
+        unread.append(out_r)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        own += [err_w]
-        await out.attach(1, out_r)
-        await out.attach(2, err_r)
+        own.append(err_w)
+        unread.append(err_r)
+        await out.attach(1, unread.pop(0))
+        await out.attach(2, unread.pop(0))
         stdin_fd = _memfd("sandbox-stdin", stdin) if stdin is not None else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         own.append(stdin_fd)
         own.append(_memfd("sandbox-code", code.encode("utf-8", errors="surrogateescape")))
@@ -499,6 +502,8 @@ async def run_python(
                                on_done=(lambda d, held=lease: _release(held, not d["error"])) if lease else None)
     except BaseException:
         out.close()
+        for fd in unread:
+            os.close(fd)
         if lease is not None:
             _release(lease, False)
         raise
