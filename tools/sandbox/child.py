@@ -235,7 +235,6 @@ def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
             os.chown(cfg["workdir"], uid, uid)
     if uid is not None:
         become(uid)
-        lib.prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(PR_SET_NO_NEW_PRIVS)")  # setuid binaries cannot undo the drop
         try:  # leftovers of a crashed engine that held this uid before us
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
@@ -244,6 +243,7 @@ def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
         # The uid change made us undumpable (root-owned /proc/self); an exec by the uid would
         # have reset that. Only this uid's processes gain access, and nothing here is secret.
         lib.prctl(PR_SET_DUMPABLE, 1, "prctl(PR_SET_DUMPABLE)")
+    lib.prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(PR_SET_NO_NEW_PRIVS)")  # no setuid binary undoes the drop
     lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")  # the zygote gone: so are we
     os.chdir(cfg["workdir"])
 
