@@ -153,3 +153,15 @@ def test_namespaces_refused_still_runs_code() -> None:
     # Here the interpreter lives under /root (pyenv), which the dropped uid cannot search:
     # the run still imports a module no one preloaded (colorsys).
     assert answer == "42" and runner.UID_BASE <= int(uid) < runner.UID_BASE + runner.UID_COUNT
+
+
+@pytest.mark.parametrize("memory_mib, processes", [(256, 64), (4096, 64), (100, 8), (8192, 4)])
+def test_without_cgroups_processes_times_memory_stays_within_the_budget(memory_mib: int, processes: int) -> None:
+    limits = runner.SandboxLimits(memory_bytes=memory_mib << 20, max_processes=processes)
+    got = runner._rlimits(limits, runner._Capabilities(root=True, cgroup="rlimits"), uid=runner.UID_BASE)
+    assert 1 <= got["NPROC"] <= processes
+    assert got["NPROC"] * got["AS"] <= limits.memory_bytes
+    assert got["AS"] >= min(limits.memory_bytes, runner.MIN_PROCESS_BYTES)  # each process can still work
+    # With a cgroup for the whole run, each process may grow to the whole budget.
+    whole = runner._rlimits(limits, runner._Capabilities(root=True, cgroup="v1"), uid=runner.UID_BASE)
+    assert whole["NPROC"] == processes and whole["AS"] == limits.memory_bytes
