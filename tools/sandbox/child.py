@@ -83,6 +83,10 @@ class Libc:
         """unshare(2) (os.unshare arrives in 3.12)."""
         self.check(self.lib.unshare(flags), "unshare")
 
+    def setns(self, fd: int, kind: int) -> None:
+        """setns(2) (os.setns arrives in 3.12)."""
+        self.check(self.lib.setns(fd, kind), "setns")
+
     def prctl(self, option: int, arg: int, what: str) -> None:
         """prctl(2) with one argument."""
         self.check(self.lib.prctl(option, arg, 0, 0, 0), what)
@@ -151,15 +155,7 @@ def isolate_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
         os.makedirs(path, exist_ok=True)
         libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         os.close(fd)
-    for name, text in _account_files(uid, cfg["workdir"]).items():
-        target = f"/etc/{name}"
-        if os.path.isfile(target):  # the host's users and groups are none of the code's business
-            stand_in = f"/tmp/.{name}"
-            with open(stand_in, "w") as f:
-                f.write(text)
-            os.chmod(stand_in, 0o644)
-            libc.mount(stand_in, target, None, MS_BIND)
-            os.unlink(stand_in)  # the bind mount keeps the file alive
+    _stand_in_accounts(libc, uid, cfg["workdir"])
     try:  # a /proc of our own that shows the sandbox only its own processes
         libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except OSError:
@@ -169,24 +165,77 @@ def isolate_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
     _make_read_only(libc)
 
 
-def _make_read_only(libc: Libc) -> None:
-    """Remount every mount point but the private /tmp read-only, then verify it."""
+def build_template(libc: Libc, cfg: dict[str, Any]) -> None:
+    """A mount namespace every run's starts as a copy of, built once per zygote: hidden
+    paths, the interpreter's directories bound back, a /proc that shows a run only its own
+    processes, everything read-only, /tmp included (each run mounts its own tmpfs over it).
+    A run then pays for its private /tmp only (`isolate_run_fs`), not for ~40 mounts."""
+    libc.unshare(CLONE_NEWNS)
+    libc.mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do here propagates to the host
+    outside = [p for p in cfg["expose"] if not _under(p, "/tmp")]  # /tmp ones: per run, see below
+    held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in outside]
+    for path in cfg["hide"]:
+        libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=755")
+    for fd, path in held:
+        os.makedirs(path, exist_ok=True)
+        libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+    try:  # a /proc of our own that shows the sandbox only its own processes
+        libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    except OSError:
+        pass  # the host's /proc stays; other uids' processes can still not be signalled
+    _make_read_only(libc, writable="")
+
+
+def isolate_run_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
+    """In a copy of the template: a private size-limited tmpfs on /tmp, the interpreter's
+    directories under /tmp (a venv) bound back read-only, stand-in accounts, the workdir."""
+    inside = [p for p in cfg["expose"] if _under(p, "/tmp")]
+    held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in inside]
+    libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk']},nr_inodes=8192,mode=755")
+    for fd, path in held:
+        os.makedirs(path, exist_ok=True)
+        libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+        libc.mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        if not os.statvfs(path).f_flag & os.ST_RDONLY:
+            raise OSError(30, f"could not make {path} read-only")
+    _stand_in_accounts(libc, uid, cfg["workdir"])
+    os.mkdir(cfg["workdir"], 0o700)
+    os.chown(cfg["workdir"], uid, uid)
+
+
+def _stand_in_accounts(libc: Libc, uid: int, home: str) -> None:
+    for name, text in _account_files(uid, home).items():
+        target = f"/etc/{name}"
+        if os.path.isfile(target):  # the host's users and groups are none of the code's business
+            stand_in = f"/tmp/.{name}"
+            with open(stand_in, "w") as f:
+                f.write(text)
+            os.chmod(stand_in, 0o644)
+            libc.mount(stand_in, target, None, MS_BIND)
+            libc.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            os.unlink(stand_in)  # the bind mount keeps the file alive
+
+
+def _make_read_only(libc: Libc, writable: str = "/tmp") -> None:
+    """Remount every mount point but `writable` (the private /tmp) read-only, then verify it."""
     with open("/proc/self/mountinfo") as f:
         rows = [line.split() for line in f]
     points = [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), r[4]), r[5].split(",")) for r in rows]
     for point, opts in points:
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | sum(KEEP.get(o, 0) for o in opts)
         try:  # a bind remount changes this mount only, never the host's filesystem
-            if point != "/tmp":
+            if point != writable:
                 libc.mount(None, point, None, flags)
         except OSError:
             pass  # hidden under one of our tmpfs, or no mount point any more: checked next
     for point, _ in points:  # whatever the child can reach must now be read-only, /tmp aside
         try:
-            writable = not os.statvfs(point).f_flag & os.ST_RDONLY
+            os.statvfs(point)
         except OSError:
             continue
-        if writable and point != "/tmp":
+        if not os.statvfs(point).f_flag & os.ST_RDONLY and point != writable:
             raise OSError(30, f"could not make {point} read-only")
 
 
@@ -220,14 +269,20 @@ def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)  # SIGPIPE: as python does
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    join_cgroups(cfg["cgroups"])
+    join_cgroups(cfg["cgroups"])  # in the host's mount namespace: /sys is read-only in ours
+    template = cfg.get("template")
+    if template is not None:
+        lib.setns(template, CLONE_NEWNS)
+        os.close(template)
     flags = (CLONE_NEWNET if cfg["netns"] else 0) | (CLONE_NEWNS if cfg["mntns"] else 0)
     flags |= CLONE_NEWIPC if cfg["ipcns"] else 0
     if flags:
         lib.unshare(flags)
     uid = cfg["uid"]
     held = hold_import_paths(sys_path) if uid is not None and not cfg["mntns"] else {}
-    if cfg["mntns"]:
+    if cfg["mntns"] and template is not None:
+        isolate_run_fs(lib, cfg, uid if uid is not None else os.getuid())
+    elif cfg["mntns"]:
         isolate_fs(lib, cfg, uid if uid is not None else os.getuid())
     else:
         os.mkdir(cfg["workdir"], 0o700)

@@ -141,6 +141,43 @@ class Zygote:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
         self.sel.register(self.wake_r, selectors.EVENT_READ, "sigchld")
+        self.templates: dict[str, int | None] = {}  # hide + expose -> the template mount namespace
+        self.holders: list[int] = []  # the processes keeping the templates alive
+
+    def template(self, cfg: dict[str, Any]) -> int | None:
+        """A descriptor of the mount namespace runs like `cfg` start from, built on first use
+        by a holder process that keeps it alive; None when it cannot be built (each run then
+        builds its own from scratch)."""
+        key = json.dumps([cfg["hide"], cfg["expose"]])
+        if key not in self.templates:
+            self.templates[key] = self.build_template(cfg)
+        return self.templates[key]
+
+    def build_template(self, cfg: dict[str, Any]) -> int | None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the holder
+            try:
+                signal.set_wakeup_fd(-1)
+                self.ctl.detach()
+                os.closerange(3, min(r, w))
+                os.closerange(max(r, w) + 1, 1 << 20)
+                child.libc().prctl(child.PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")
+                child.build_template(child.libc(), cfg)
+                os.write(w, b"ok")
+                os.close(w)
+                while True:
+                    signal.pause()
+            except BaseException as e:  # noqa: BLE001 - reported to the zygote, which falls back
+                os.write(w, f"{type(e).__name__}: {e}".encode())
+            os._exit(1)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            said = f.read(4096)  # EOF once the holder reported (or died)
+        if said != b"ok":
+            return None
+        self.holders.append(pid)
+        return os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 
     def serve(self) -> None:
         """Serve until the engine closes its end."""
@@ -211,6 +248,9 @@ class Zygote:
         if run["killed"]:
             self.finish(run, -signal.SIGKILL, False)
             return
+        template = self.template(run["cfg"]) if run["cfg"]["mntns"] else None
+        if template is not None:
+            run["cfg"] = dict(run["cfg"], template=template)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             self.become_run(run)
@@ -233,7 +273,10 @@ class Zygote:
                 code = f.read()
             signal.set_wakeup_fd(-1)  # else a signal would write into whatever file gets its number
             self.ctl.detach()  # closed just below: the object must not close a reused number
-            os.closerange(3, 1 << 20)  # only stdio remains: no way back to the zygote
+            keep = cfg.get("template")  # a mount namespace: enter() joins it, then closes it
+            os.closerange(3, keep if keep is not None else 1 << 20)  # only stdio remains: no way back
+            if keep is not None:
+                os.closerange(keep + 1, 1 << 20)
             child.enter(cfg, sys.path)
             if cfg["probe"]:
                 os._exit(0)
@@ -320,6 +363,8 @@ class Zygote:
             for key, _ in self.sel.select(timeout=10):
                 if key.data is not None:
                     self.reap()
+        for pid in self.holders:
+            self.killpg(pid) or os.kill(pid, signal.SIGKILL)
         self.reap()  # the zombies of what the helpers killed: not left to init
 
 
