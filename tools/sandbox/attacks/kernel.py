@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import platform
@@ -185,7 +186,7 @@ def _remove_litter(tag: str | None, pids: set[object]) -> None:
     for row in rows:
         fields = dict(zip(cols, row.split()))
         if int(fields["cpid"]) in pids:
-            subprocess.run(["ipcrm", "-m", fields["shmid"]], check=False, capture_output=True)
+            ctypes.CDLL(None).shmctl(int(fields["shmid"]), 0, None)  # IPC_RMID
 
 
 def _host_sysv(uids: range) -> list[str]:
