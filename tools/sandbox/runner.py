@@ -213,19 +213,11 @@ def _cgroup_parents() -> tuple[str, tuple[tuple[str, str], ...]]:
         mounts, own = _mountinfo(), _own_cgroups()
     except OSError:
         return "rlimits", ()
-    for point, fstype, _ in mounts:  # v2: needs memory and pids delegated to our subtree
+    for point, fstype, _ in mounts:
         if fstype == "cgroup2" and "" in own:
-            parent = os.path.join(point + own[""], CGROUP_NAME)
-            try:
-                with open(os.path.join(point + own[""], "cgroup.controllers")) as f:
-                    if not {"memory", "pids"} <= set(f.read().split()):
-                        continue
-                os.makedirs(parent, exist_ok=True)
-                with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
-                    f.write("+memory +pids")
+            parent = _v2_parent(point, own[""])
+            if parent is not None:
                 return "v2", (("unified", parent),)
-            except OSError:
-                continue
     v1 = []
     for controller in ("memory", "pids"):
         point = next((p for p, t, o in mounts if t == "cgroup" and controller in o), None)
@@ -238,6 +230,25 @@ def _cgroup_parents() -> tuple[str, tuple[tuple[str, str], ...]]:
             return "rlimits", ()
         v1.append((controller, parent))
     return "v1", tuple(v1)
+
+
+def _v2_parent(point: str, path: str) -> str | None:
+    """A v2 cgroup with memory and pids enabled for its children: under ours when ours may
+    have children (the root, or a delegated subtree), else beside ours (a cgroup holding
+    processes cannot enable controllers for children: the "no internal processes" rule)."""
+    mine = os.path.normpath(point + path)
+    for base in (mine, os.path.dirname(mine) if _under(mine, point) and mine != point else None):
+        if base is None:
+            continue
+        try:
+            for cgroup in (base, os.path.join(base, CGROUP_NAME)):
+                os.makedirs(cgroup, exist_ok=True)
+                with open(os.path.join(cgroup, "cgroup.subtree_control"), "w") as f:
+                    f.write("+memory +pids")  # refused (EBUSY) where the cgroup holds processes
+            return os.path.join(base, CGROUP_NAME)
+        except OSError:
+            continue
+    return None
 
 
 def _cgroup_settings(caps: _Capabilities, uid: int, limits: SandboxLimits) -> list[list[Any]]:
