@@ -12,7 +12,10 @@ A run's child, still root (or the engine's user) right after the fork, in this o
    die with the run and are invisible to every other run);
 4. in the mount namespace: the host read-only, a private size-limited tmpfs on /tmp,
    `hide` covered by empty tmpfs, `expose` (the interpreter's directories, wherever they
-   live: /tmp, /root, /opt) bound back read-only, its own /proc, stand-in /etc/passwd;
+   live: /tmp, /root, /opt) bound back read-only, its own /proc, stand-in /etc/passwd.
+   All but the private /tmp and the stand-ins come from a template namespace the zygote
+   builds once (`build_template`); the child joins it and copies it (`isolate_run_fs`);
+   `isolate_fs` builds everything per run where no template could be built;
 5. drops to the run's own uid, `PR_SET_NO_NEW_PRIVS`, kills leftovers of that uid; its
    session keyring is the zygote's sealed one (permissions 0: no run can keep a key there);
 6. rlimits last (RLIMIT_NPROC counts the uid's tasks: see runner._config).

@@ -5,8 +5,9 @@ empty environment (plus the child's few variables), `/` as its working directory
 session, and one end of a SOCK_SEQPACKET socket pair as its only link to the engine. It
 imports `child.py`, preloads some modules, checks that it is single-threaded, says
 "ready", then serves: `run` (fork a child that becomes the sandbox and runs the code
-without exec: it costs a fork, not an interpreter start), `kill` (SIGKILL a run's process
-group), and, after a run that may have left something, a forked cleanup helper
+without exec: it costs a fork, not an interpreter start; the read-only view of the host
+comes from a template mount namespace built once, see `child.build_template`), `kill`
+(SIGKILL a run's process group), and, after a run that may have left something, a forked cleanup helper
 (`child.clean_uid`). It reaps its own children (and, as a child subreaper, the runs'
 orphans), and signals a run only until it reaped it, so a pid it signals is never recycled. When the engine's end of the socket
 closes, it kills every run, cleans up, and exits.
@@ -223,9 +224,8 @@ class Zygote:
             # The lease lock (a dup of the engine's flocked descriptor) is held until the run is
             # cleaned up, so a uid is never leased again while we may still kill(-1) as it,
             # even when the engine died first.
-            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds[:4], "hold": fds[4:], "killed": False, "pid": None, "strays": False,
-                   "rc": None,
-                   "t": [time.monotonic()]}
+            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds[:4], "hold": fds[4:], "killed": False,
+                   "pid": None, "strays": False, "rc": None, "t": [time.monotonic()]}
             self.runs[msg["id"]] = run
             if msg["cfg"].get("dirty"):  # a lease a crashed engine left: clean before use
                 self.start_clean(run, first=True)
