@@ -36,6 +36,10 @@ class SandboxProbe:
     isolation: dict[str, Any] = attrs.field(factory=dict)
 
 
+class _Abandoned(Exception):
+    """The caller running the shared probe was cancelled: the others start their own."""
+
+
 _lock = threading.Lock()
 _result: concurrent.futures.Future[SandboxProbe] | None = None
 
@@ -74,14 +78,17 @@ async def probe() -> SandboxProbe:
     if first:
         try:
             outcome = await _run_probe()
-        except BaseException as e:  # cancelled or worse: let the next caller try again
+        except BaseException:  # cancelled or worse: the waiting callers try again themselves
             with _lock:
                 _result = None
-            shared.set_exception(e if isinstance(e, Exception) else RuntimeError("the sandbox probe was cancelled"))
+            shared.set_exception(_Abandoned())
             raise
         shared.set_result(outcome)
         return outcome
-    return await asyncio.wrap_future(shared)
+    try:
+        return await asyncio.wrap_future(shared)
+    except _Abandoned:
+        return await probe()
 
 
 def probe_sync() -> SandboxProbe:
