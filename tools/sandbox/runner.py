@@ -511,12 +511,14 @@ async def run_python(
         own.append(_memfd("sandbox-code", code.encode("utf-8", errors="surrogateescape")))
         run_id, fut = z.submit(cfg, [stdin_fd, out_w, err_w, own[-1], *([lease.fd] if lease else [])],
                                on_done=(lambda d, held=lease: _release(held, not d["error"])) if lease else None)
-    except BaseException:
+    except BaseException as e:
         out.close()
         for fd in unread:
             os.close(fd)
         if lease is not None:
             _release(lease, False)
+        if isinstance(e, client.ZygoteError):
+            raise SandboxError(str(e)) from e
         raise
     finally:
         for fd in own:
