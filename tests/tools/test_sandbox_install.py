@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import attrs
 import pytest
 
 from tools import ToolUnavailable, code_interpreter, python_session, registry
-from tools.sandbox import SandboxProbe, probe, probe_sync, runner
+from tools.sandbox import SandboxProbe, client, probe, probe_sync, runner
 from tools.sandbox import probing as probe_module
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -165,3 +166,23 @@ def test_without_cgroups_processes_times_memory_stays_within_the_budget(memory_m
     # With a cgroup for the whole run, each process may grow to the whole budget.
     whole = runner._rlimits(limits, runner._Capabilities(root=True, cgroup="v1"), uid=runner.UID_BASE)
     assert whole["NPROC"] == processes and whole["AS"] == limits.memory_bytes
+
+
+def test_a_dead_zygote_fails_its_runs_loudly_and_the_next_call_starts_a_new_one() -> None:
+    async def main() -> tuple[BaseException | None, Any]:
+        await runner.run_python("print(1)")  # a zygote is running
+        zygote = client.current()
+        assert zygote is not None
+        task = asyncio.create_task(runner.run_python("import time\ntime.sleep(30)", runner.SandboxLimits(timeout_s=60)))
+        await asyncio.sleep(0.5)
+        os.kill(zygote.proc.pid, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(task, 20)
+            error = None
+        except runner.SandboxError as e:
+            error = e
+        return error, await runner.run_python("print(6 * 7)")
+
+    error, after = asyncio.run(main())
+    assert error is not None and "zygote" in str(error)
+    assert after.stdout == "42\n" and client.current() is not None
