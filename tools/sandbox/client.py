@@ -58,6 +58,15 @@ class ZygoteClient:
         finally:
             theirs.close()
         self.sock = ours
+        # Room for thousands of queued requests, so a send never waits for a busy zygote
+        # (it would block the engine's event loop); root may exceed the system's default cap.
+        for option in (getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF):
+            try:
+                if option is not None:
+                    ours.setsockopt(socket.SOL_SOCKET, option, 8 << 20)
+                    break
+            except OSError:
+                continue
         self.runs = 0
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()

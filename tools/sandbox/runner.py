@@ -493,7 +493,10 @@ async def run_python(
     uid = lease.uid if lease else None
     nonce = uuid.uuid4().hex
     workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{nonce}")
-    cfg = _config(limits, uid, caps, workdir=workdir, nonce=nonce, dirty=bool(lease and lease.dirty))
+    if uid is None:  # counting this user's tasks reads all of /proc: not on the event loop
+        cfg = await asyncio.to_thread(_config, limits, uid, caps, workdir=workdir, nonce=nonce)
+    else:
+        cfg = _config(limits, uid, caps, workdir=workdir, nonce=nonce, dirty=bool(lease and lease.dirty))
     out = _Collector(limits.output_bytes, limits.drain_bytes)
     own: list[int] = []  # ours to close once sent (the zygote got copies)
     unread: list[int] = []  # read ends not handed to a transport yet
