@@ -15,6 +15,8 @@ exit status, so no wrapper code sits between the model's code and the interprete
 
 When output was cut, `"\\n...[output truncated: N bytes dropped]"` ends the text. The error
 kind is "timeout", "crash" (nonzero exit), "output_truncated" (cut, but exit 0) or None.
+When the sandbox cannot run code on this host (its probe failed) or breaks down, `execute`
+raises `ToolUnavailable` instead of answering: that is not the model's error to learn from.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any, ClassVar
 
 import attrs
 
-from tools.registry import Tool, ToolError, ToolResult, call_timeout, register
+from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
+from tools.sandbox.probing import probe
 from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
 
 _TRACEBACK = "Traceback (most recent call last):\n"
@@ -83,16 +86,35 @@ class CodeInterpreter(Tool):
         """Change some limits, keeping the others."""
         self.limits = attrs.evolve(self.limits, **limits)
 
+    async def check(self) -> str | None:
+        """None when the sandbox can run code here (probed once per process), else why not."""
+        return await sandbox_check()
+
     async def execute(self, state: Any, **arguments: Any) -> ToolResult:
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             raise ToolError("bad_arguments", "Error: No code provided")
+        await require_sandbox()
         limits = attrs.evolve(self.limits, timeout_s=call_timeout(self.limits.timeout_s))
         try:
             result = await run_python(code, limits)
         except SandboxError as e:
-            return ToolResult(f"Error: Failed to execute code: {e}", error="sandbox")
+            raise ToolUnavailable(f"the sandbox failed: {e}") from e
         return format_result(result, limits.timeout_s)
+
+
+async def sandbox_check() -> str | None:
+    """The sandbox probe's reason, None when it can run code (shared by the sandboxed tools)."""
+    outcome = await probe()
+    return None if outcome.ok else outcome.reason
+
+
+async def require_sandbox() -> None:
+    """Raise `ToolUnavailable` when the sandbox cannot run code here: not the model's fault,
+    so no observation for it to learn from."""
+    reason = await sandbox_check()
+    if reason is not None:
+        raise ToolUnavailable(reason)
 
 
 interpreter = CodeInterpreter()

@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import attrs
 
-from tools.code_interpreter import current_limits, format_result
-from tools.registry import Tool, ToolError, ToolResult, call_timeout, register
+from tools.code_interpreter import current_limits, format_result, require_sandbox, sandbox_check
+from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
 from tools.sandbox.runner import SandboxError, SandboxLimits, run_python
 
 # Runs in the sandbox; reads the cells as JSON on stdin, so no code is pasted into code.
@@ -84,10 +84,15 @@ class PythonSession(Tool):
     async def release(self, state: Session) -> None:
         state.cells.clear()  # nothing runs between calls, so there is no process to stop
 
+    async def check(self) -> str | None:
+        """None when the sandbox can run code here, else why not (its probe's reason)."""
+        return await sandbox_check()
+
     async def execute(self, state: Session, **arguments: Any) -> ToolResult:
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             raise ToolError("bad_arguments", "Error: No code provided")
+        await require_sandbox()
         base = self.limits or current_limits()
         limits = attrs.evolve(base, timeout_s=call_timeout(base.timeout_s))
         async with state.lock:
@@ -95,7 +100,7 @@ class PythonSession(Tool):
             try:
                 result = await run_python(_REPLAY, limits, stdin=json.dumps(cells).encode())
             except SandboxError as e:
-                return ToolResult(f"Error: Failed to execute code: {e}", error="sandbox")
+                raise ToolUnavailable(f"the sandbox failed: {e}") from e
             if result.returncode == 0 and not result.timed_out:
                 state.cells.append(code)
         return format_result(result, limits.timeout_s)

@@ -41,6 +41,14 @@ class ToolError(Exception):
         self.message = message
 
 
+class ToolUnavailable(Exception):
+    """Raised by a tool whose infrastructure cannot work here (not the model's fault).
+
+    Unlike `ToolError`, this is no observation for the model to learn from: the engine ends
+    the sample with a recorded reason (slime) or stops the run (CLI). The message says why.
+    """
+
+
 @attrs.frozen
 class ToolResult:
     """What a tool call produced. `error` names the error kind, None on success."""
@@ -67,6 +75,12 @@ class Tool:
 
     async def release(self, state: Any) -> None:
         """Free what `create` made; called once when the trajectory ends."""
+
+    async def check(self) -> str | None:
+        """None when the tool can work on this host, else the reason it cannot.
+
+        The engine calls it before rolling out; the default says every tool can work."""
+        return None
 
     async def execute(self, state: Any, **arguments: Any) -> str | ToolResult:  # pragma: no cover
         raise NotImplementedError

@@ -20,9 +20,18 @@ from typing import Any
 
 import pytest
 
-from tools.sandbox.attacks import suite as attacks
 from tools.sandbox import runner as sandbox
-from tools.sandbox.attacks.suite import Lab, Outcome, all_attacks, default_lab, exit_code, processes, render_table, run_suite
+from tools.sandbox.attacks import suite as attacks
+from tools.sandbox.attacks.suite import (
+    Lab,
+    Outcome,
+    all_attacks,
+    default_lab,
+    exit_code,
+    processes,
+    render_table,
+    run_suite,
+)
 
 KNOWN_GAPS: dict[str, str] = {}
 NAMES = [name for name, _ in all_attacks()]

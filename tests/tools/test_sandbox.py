@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from tools import code_interpreter, python_session, registry
-from tools.sandbox import runner as sandbox
 from tools.code_interpreter import format_result
 from tools.registry import ToolError
+from tools.sandbox import runner as sandbox
 from tools.sandbox.runner import (
     UID_BASE,
     UID_COUNT,
@@ -274,7 +274,7 @@ def test_stdin_and_isolation_report() -> None:
 def test_fallback_without_root_keeps_limits_and_the_group_kill(monkeypatch: pytest.MonkeyPatch) -> None:
     # What a non-root engine gets: no uid, no namespaces (here the child runs as root, so the
     # code stays harmless); the process group is still killed and the limits still apply.
-    monkeypatch.setattr(sandbox, "_caps", sandbox._Capabilities(False, False, False, (), (), ()))
+    monkeypatch.setattr(sandbox, "_caps", sandbox._Capabilities(root=False))
     code = (
         "import subprocess, sys\n"
         "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']).pid, flush=True)\n"

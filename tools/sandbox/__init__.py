@@ -1,9 +1,11 @@
 """The sandbox model-written code runs in: infrastructure no tool author needs to open.
 
-Membership: code that contains untrusted programs (the runner, the launcher that builds the
-isolation in the child, the attack suite that proves it). Tools call `run_python`.
+Membership: code that contains untrusted programs (the runner and its zygote, the child
+that builds the isolation, the probe that checks it works here, the attack suite that
+proves it). Tools call `run_python`; the engine calls `probe()` before rolling out.
 """
 
+from tools.sandbox.probing import SandboxProbe, probe, probe_sync
 from tools.sandbox.runner import (
     LOCK_DIR,
     UID_BASE,
@@ -11,6 +13,7 @@ from tools.sandbox.runner import (
     SandboxError,
     SandboxLimits,
     SandboxResult,
+    capabilities,
     filesystem_isolated,
     network_isolated,
     run_python,
@@ -22,8 +25,12 @@ __all__ = [
     "UID_COUNT",
     "SandboxError",
     "SandboxLimits",
+    "SandboxProbe",
     "SandboxResult",
+    "capabilities",
     "filesystem_isolated",
     "network_isolated",
+    "probe",
+    "probe_sync",
     "run_python",
 ]

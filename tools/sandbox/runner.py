@@ -1,30 +1,33 @@
-"""Run untrusted, model-written Python in an isolated, resource-limited subprocess.
+"""Run untrusted, model-written Python in an isolated, resource-bounded child of the zygote.
 
 Layers (each one is there because a model will eventually try what it stops):
 
-* The child is started without blocking the event loop as `sys.executable -I -S
-  launcher.py <config>`: a stdlib-only program that builds the sandbox inside the
-  fresh process and then `execv`s `sys.executable -I -B main.py`. A launcher instead of
-  `preexec_fn`, because `preexec_fn` runs Python between fork and exec, which can deadlock
-  in a process that has threads.
-* Own session and process group (`start_new_session`), so a timeout kills the whole group.
+* A zygote per engine process (`zygote.py`, started by exec with an empty environment)
+  forks a child per call; the child isolates itself (`child.py`) and runs the code without
+  exec, so a call costs about a fork instead of three interpreter starts. `zygote.py`
+  says why what the child inherits from the warm zygote is safe.
 * An environment built from scratch: nothing of `os.environ` (API keys!) reaches the child.
-* rlimits: CPU seconds, address space, processes, file size, open files, no core dumps.
 * As root, a uid/gid of its own per concurrent run (`UID_BASE`.., leased with `flock`, so
-  two engines on one host never share one). Root ignores RLIMIT_NPROC and RLIMIT_NPROC
-  counts every process of a uid, so a private uid makes the fork-bomb limit exact. It also
-  makes cleanup exact: a daemon that double-forks and calls `setsid` leaves our process
-  group but cannot change its uid, so after every run a helper running as that uid calls
-  `kill(-1, SIGKILL)`, which the kernel applies to all of the uid's processes atomically
-  with respect to fork. `PR_SET_NO_NEW_PRIVS` keeps setuid binaries from undoing the drop.
-* As root, where the kernel allows: a new network namespace (only a down loopback: no
-  network at all) and a new mount namespace in which the host is read-only, `/tmp` is a
-  small private tmpfs holding the working directory `/tmp/sandbox` (nothing reaches the
-  host's disk), `HIDDEN_PATHS` are covered by empty tmpfs (the interpreter's directories
-  are bound back in) and `/proc` shows only the run's own processes. Both are probed once;
-  `network_isolated()` and `filesystem_isolated()` report the outcome.
+  two engines on one host never share one). RLIMIT_NPROC then counts exactly the run's
+  tasks, and cleanup is exact: after every run a helper running as that uid calls
+  `kill(-1, SIGKILL)` (atomic with respect to fork: double-forked daemons die too), clears
+  the uid's keyrings, and, where runs share the host's IPC namespace or filesystem,
+  removes its SysV objects and its files. A lease whose cleanup never finished (the engine
+  crashed) is cleaned before its next use, by any engine process on the host.
+  `PR_SET_NO_NEW_PRIVS` keeps setuid binaries from undoing the drop.
+* The whole run bounded: a cgroup per uid slot (v2, or the v1 memory and pids
+  controllers) caps the memory of all its processes, threads, shared memory, memfd and
+  tmpfs together, and its task count. Without cgroups, per-process limits are sized so
+  that processes x address space stays within the run's memory budget. RLIMIT_AS also
+  applies per process (a single greedy allocation gets MemoryError, not the OOM killer).
+* As root, where the kernel allows: new network (no network at all), IPC (no SysV object
+  shared with any other run) and mount namespaces; in the last the host is read-only,
+  `/tmp` is a small private tmpfs holding the working directory `/tmp/sandbox`,
+  `HIDDEN_PATHS` and the engine's checkout are covered by empty tmpfs, the interpreter's
+  directories are bound back wherever they live, and `/proc` shows only the run's own
+  processes. Each layer is probed once; `capabilities()` reports what the host gave.
 
-Without root only the rlimits, the fresh environment and the process group remain.
+Without root only the rlimits, the fresh environment and the process-group kill remain.
 """
 
 from __future__ import annotations
@@ -32,15 +35,11 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import grp
-import json
 import math
 import os
 import pwd
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
+import sysconfig
 import threading
 import time
 import uuid
@@ -50,7 +49,8 @@ from typing import Any, NamedTuple
 import attrs
 from attrs import validators as v
 
-from tools.sandbox.launcher import SETUP_FAILED  # its exit code when it could not build the sandbox
+from tools.sandbox import client
+from tools.sandbox.child import SETUP_FAILED  # its exit code when it could not build the sandbox
 
 UID_BASE = 60000  # below systemd's DynamicUser range (61184..), inside a 16-bit userns map
 UID_COUNT = 1024
@@ -60,7 +60,9 @@ HIDDEN_PATHS = ("/root", "/home", "/run", "/var/tmp", "/dev/shm")
 # is installed inside the interpreter's prefix (then it is a library like any other).
 PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 SANDBOX_DIR = "/tmp/sandbox"  # the child's cwd when the mount namespace is available
+CGROUP_NAME = "engine-sandbox"  # the parent of the per-uid cgroups, under the engine's own
 _GIB, _MIB = 1 << 30, 1 << 20
+MIN_PROCESS_BYTES = 256 * _MIB  # without cgroups: the least address space worth a process
 
 
 class SandboxError(RuntimeError):
@@ -69,11 +71,12 @@ class SandboxError(RuntimeError):
 
 @attrs.frozen
 class SandboxLimits:
-    """Per-run limits. `cpu_s=None` means `ceil(timeout_s) + 1` CPU seconds."""
+    """Per-run limits. `cpu_s=None` means `ceil(timeout_s) + 1` CPU seconds. `memory_bytes`
+    bounds the whole run (cgroup) and each process's growth (RLIMIT_AS)."""
 
     timeout_s: float = attrs.field(default=120.0, validator=v.gt(0))
     cpu_s: float | None = attrs.field(default=None, validator=v.optional(v.gt(0)))
-    memory_bytes: int = attrs.field(default=4 * _GIB, validator=v.gt(0))  # RLIMIT_AS
+    memory_bytes: int = attrs.field(default=4 * _GIB, validator=v.gt(0))
     max_processes: int = attrs.field(default=64, validator=v.gt(0))  # threads count too
     max_file_bytes: int = attrs.field(default=16 * _MIB, validator=v.gt(0))
     max_open_files: int = attrs.field(default=64, validator=v.gt(8))
@@ -106,54 +109,51 @@ class SandboxResult:
 
 @attrs.frozen
 class _Capabilities:
+    """What the host gave, probed once per process."""
+
     root: bool
-    netns: bool
-    mntns: bool
-    uids: tuple[int, ...]
-    hide: tuple[str, ...]
-    expose: tuple[str, ...]
+    netns: bool = False
+    mntns: bool = False
+    ipcns: bool = False
+    cgroup: str = "rlimits"  # "v2" | "v1" | "rlimits"
+    cgroup_parents: tuple[tuple[str, str], ...] = ()  # (kind, dir): v2 "unified", v1 "memory"/"pids"
+    uids: tuple[int, ...] = ()
+    hide: tuple[str, ...] = ()
+    expose: tuple[str, ...] = ()
 
 
-# Run by path (absolute: the cleanup helper starts in "/"); it ships as a module of this package.
-LAUNCHER = str(Path(__file__).resolve().with_name("launcher.py"))
 _caps: _Capabilities | None = None
 _caps_lock = threading.Lock()
 _slot_lock = threading.Lock()
 _next_slot = 0
 
 
-def _launcher_cmd(config: dict[str, Any]) -> list[str]:
-    return [sys.executable, "-I", "-S", LAUNCHER, json.dumps(config)]
-
-
 def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def _probe() -> _Capabilities:
-    if not os.path.isfile(LAUNCHER):  # else every probe fails and the namespaces seem unavailable
-        raise SandboxError(f"the sandbox launcher is missing: {LAUNCHER}")
-    root = os.geteuid() == 0
-    if not root:
-        return _Capabilities(False, False, False, (), (), ())
-    uids = tuple(u for u in range(UID_BASE, UID_BASE + UID_COUNT) if not _taken(u))
-    if not uids:
-        raise SandboxError(f"every uid in {UID_BASE}..{UID_BASE + UID_COUNT - 1} belongs to a user or group")
-    hide = tuple(dict.fromkeys(os.path.realpath(p) for p in (*HIDDEN_PATHS, PROJECT_ROOT) if os.path.isdir(p)))
-    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
-    prefixes.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
-    hide = tuple(h for h in hide if not any(_under(h, p) for p in prefixes))
-    # Under /tmp (a private tmpfs already) or under another hidden path, a path is hidden
-    # anyway, and mounting over it would fail: the probe would then turn namespaces off.
-    hide = tuple(h for h in hide if not _under(h, "/tmp") and not any(o != h and _under(h, o) for o in hide))
-    needed = sorted(p for p in prefixes if any(_under(p, h) for h in hide))
-    expose = tuple(p for p in needed if not any(q != p and _under(p, q) for q in needed))
+def _outermost(paths: set[str]) -> tuple[str, ...]:
+    return tuple(sorted(p for p in paths if not any(q != p and _under(p, q) for q in paths)))
 
-    def works(netns: bool, mntns: bool) -> bool:
-        cfg = _config(SandboxLimits(), uids[0], _Capabilities(True, netns, mntns, uids, hide, expose), probe=True)
-        return subprocess.run(_launcher_cmd(cfg), check=False, env={}, capture_output=True, timeout=30).returncode == 0
 
-    return _Capabilities(True, works(True, False), works(False, True), uids, hide, expose)
+def interpreter_paths() -> set[str]:
+    """Real paths of everything the interpreter needs: prefixes, the executable's install,
+    the standard library and site-packages (a venv links to its base interpreter)."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    paths.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+    paths.update(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    return {os.path.realpath(p) for p in paths if p and os.path.isdir(p)}
+
+
+def _hidden_and_exposed() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Paths to cover with an empty tmpfs, and the interpreter's paths to bind back in."""
+    needed = interpreter_paths()
+    hide = {os.path.realpath(p) for p in (*HIDDEN_PATHS, PROJECT_ROOT) if os.path.isdir(p)}
+    # Under /tmp (the private tmpfs) a path is hidden anyway; inside a prefix it is a library.
+    hide = {h for h in hide if not _under(h, "/tmp") and not any(_under(h, p) for p in needed)}
+    covered = ("/tmp", *hide)
+    expose = {p for p in needed if any(_under(p, h) for h in covered)}
+    return _outermost(hide), _outermost(expose)
 
 
 def _taken(uid: int) -> bool:
@@ -165,6 +165,150 @@ def _taken(uid: int) -> bool:
         except KeyError:
             pass
     return False
+
+
+def _child_env(home: str) -> dict[str, str]:
+    """A minimal environment: locale, home and temp dir, one BLAS thread (threads count
+    against RLIMIT_NPROC and the address-space limit), headless matplotlib."""
+    env = {"HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    env.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")})
+    env["MPLBACKEND"] = "Agg"
+    return env
+
+
+def _zygote() -> client.ZygoteClient:
+    try:
+        return client.zygote(_child_env("/"))
+    except client.ZygoteError as e:
+        raise SandboxError(str(e)) from e
+
+
+# --- cgroups -----------------------------------------------------------------------------
+
+def _mountinfo() -> list[tuple[str, str, set[str]]]:
+    """(mount point, fs type, super options) of every mount."""
+    rows = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.split(" - ", 1)
+            fstype, _, opts = right.split()[:3]
+            rows.append((left.split()[4], fstype, set(opts.split(","))))
+    return rows
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup path per v1 controller, and under "" its v2 path."""
+    found = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                found[c] = path
+    return found
+
+
+def _cgroup_parents() -> tuple[str, tuple[tuple[str, str], ...]]:
+    """Where per-run cgroups can go: ("v2", ...), ("v1", memory + pids), or ("rlimits", ())."""
+    try:
+        mounts, own = _mountinfo(), _own_cgroups()
+    except OSError:
+        return "rlimits", ()
+    for point, fstype, _ in mounts:
+        if fstype == "cgroup2" and "" in own:
+            parent = _v2_parent(point, own[""])
+            if parent is not None:
+                return "v2", (("unified", parent),)
+    v1 = []
+    for controller in ("memory", "pids"):
+        point = next((p for p, t, o in mounts if t == "cgroup" and controller in o), None)
+        if point is None or controller not in own:
+            return "rlimits", ()
+        parent = os.path.join(point + own[controller], CGROUP_NAME)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError:
+            return "rlimits", ()
+        v1.append((controller, parent))
+    return "v1", tuple(v1)
+
+
+def _v2_parent(point: str, path: str) -> str | None:
+    """A v2 cgroup with memory and pids enabled for its children: under ours when ours may
+    have children (the root, or a delegated subtree), else beside ours (a cgroup holding
+    processes cannot enable controllers for children: the "no internal processes" rule)."""
+    mine = os.path.normpath(point + path)
+    for base in (mine, os.path.dirname(mine) if _under(mine, point) and mine != point else None):
+        if base is None:
+            continue
+        try:
+            for cgroup in (base, os.path.join(base, CGROUP_NAME)):
+                os.makedirs(cgroup, exist_ok=True)
+                with open(os.path.join(cgroup, "cgroup.subtree_control"), "w") as f:
+                    f.write("+memory +pids")  # refused (EBUSY) where the cgroup holds processes
+            return os.path.join(base, CGROUP_NAME)
+        except OSError:
+            continue
+    return None
+
+
+def _cgroup_settings(caps: _Capabilities, uid: int, limits: SandboxLimits) -> list[list[Any]]:
+    """Per-run `[dir, [[file, value], ...]]` for `child.join_cgroups` (the uid's slot cgroup)."""
+    memory, tasks = limits.memory_bytes, limits.max_processes
+    settings = {
+        "unified": [["memory.max", memory], ["memory.swap.max", 0], ["pids.max", tasks]],
+        # memsw must stay >= the limit at every step: lift it, set the limit, lower it.
+        "memory": [["memory.memsw.limit_in_bytes", -1], ["memory.limit_in_bytes", memory],
+                   ["memory.memsw.limit_in_bytes", memory]],
+        "pids": [["pids.max", tasks]],
+    }
+    return [[os.path.join(parent, str(uid)), settings[kind]] for kind, parent in caps.cgroup_parents]
+
+
+# --- capabilities ----------------------------------------------------------------------------
+
+def _probe_config(caps: _Capabilities, workdir: str) -> dict[str, Any]:
+    return _config(SandboxLimits(), None, caps, workdir=workdir, nonce=uuid.uuid4().hex, probe=True)
+
+
+def _try_layer(z: client.ZygoteClient, caps: _Capabilities) -> str:
+    """Fork a probe child that builds the sandbox `caps` describe and exits; "" when it could."""
+    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-probe-{uuid.uuid4().hex}")
+    cfg = _probe_config(caps, workdir)
+    read, write = os.pipe2(os.O_CLOEXEC)
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    code = os.memfd_create("sandbox-probe", os.MFD_CLOEXEC)
+    try:
+        _, fut = z.submit(cfg, [null, null, write, code])
+    finally:
+        for fd in (null, write, code):
+            os.close(fd)
+    try:
+        done = fut.result(timeout=60)
+        with os.fdopen(read, "rb") as f:
+            err = f.read().decode(errors="replace")
+    except Exception as e:  # noqa: BLE001 - a probe that cannot finish means "unavailable"
+        return f"{type(e).__name__}: {e}"
+    if done["rc"] == 0 and not done["error"]:
+        return ""
+    return (err[len(cfg["nonce"]) + 1:].strip() if err.startswith(cfg["nonce"]) else err.strip()) or str(done)
+
+
+def _probe() -> _Capabilities:
+    z = _zygote()
+    if os.geteuid() != 0:
+        return _Capabilities(root=False)
+    uids = tuple(u for u in range(UID_BASE, UID_BASE + UID_COUNT) if not _taken(u))
+    if not uids:
+        raise SandboxError(f"every uid in {UID_BASE}..{UID_BASE + UID_COUNT - 1} belongs to a user or group")
+    hide, expose = _hidden_and_exposed()
+    base = _Capabilities(root=True, uids=uids, hide=hide, expose=expose)
+    netns = not _try_layer(z, attrs.evolve(base, netns=True))
+    mntns = not _try_layer(z, attrs.evolve(base, mntns=True))
+    ipcns = not _try_layer(z, attrs.evolve(base, ipcns=True))
+    kind, parents = _cgroup_parents()
+    if kind != "rlimits" and _try_layer(z, attrs.evolve(base, cgroup=kind, cgroup_parents=parents)):
+        kind, parents = "rlimits", ()
+    return attrs.evolve(base, netns=netns, mntns=mntns, ipcns=ipcns, cgroup=kind, cgroup_parents=parents)
 
 
 def _capabilities() -> _Capabilities:
@@ -185,20 +329,19 @@ def filesystem_isolated() -> bool:
     return _capabilities().mntns
 
 
-def _config(limits: SandboxLimits, uid: int | None, caps: _Capabilities, *, probe: bool = False,
-            workdir: str = SANDBOX_DIR, script_src: str = "") -> dict[str, Any]:
-    # RLIMIT_NPROC counts every thread of the uid. Set after setresuid: lowered before it,
-    # leftovers of the uid would make the kernel refuse our exec (PF_NPROC_EXCEEDED).
-    nproc = limits.max_processes
-    if uid is None:  # without a uid of our own it must leave room for this user's others
-        nproc += _tasks_of(os.getuid())
+def capabilities() -> dict[str, Any]:
+    """What isolation the host gave (probes once): the `isolation` of `SandboxProbe`."""
+    caps = _capabilities()
+    z = client.current()
     return {
-        "uid": uid, "netns": caps.netns, "mntns": caps.mntns, "hide": caps.hide, "expose": caps.expose, "probe": probe,
-        "workdir": workdir, "script": os.path.join(workdir, "main.py"), "script_src": script_src,
-        "disk": limits.disk_bytes, "NPROC": nproc, "FSIZE": limits.max_file_bytes, "NOFILE": limits.max_open_files,
-        "CPU": limits.cpu_seconds(), "AS": limits.memory_bytes, "nonce": uuid.uuid4().hex,
+        "root": caps.root, "uid_per_run": bool(caps.uids), "netns": caps.netns, "mntns": caps.mntns,
+        "ipcns": caps.ipcns, "cgroup": caps.cgroup, "zygote": z is not None,
+        "preloaded": list(z.info.get("preloaded", [])) if z is not None else [],
+        "python": sys.executable, "exposed": list(caps.expose),
     }
 
+
+# --- one run -----------------------------------------------------------------------------
 
 def _tasks_of(uid: int) -> int:
     count = 0
@@ -211,20 +354,37 @@ def _tasks_of(uid: int) -> int:
     return count
 
 
-def _child_env(home: str) -> dict[str, str]:
-    """A minimal environment: locale, home and temp dir, one BLAS thread (threads count
-    against RLIMIT_NPROC and the address-space limit), headless matplotlib."""
-    env = {"HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin"}
-    env.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")})
-    env["MPLBACKEND"] = "Agg"
-    return env
+def _rlimits(limits: SandboxLimits, caps: _Capabilities, uid: int | None) -> dict[str, int]:
+    nproc, memory = limits.max_processes, limits.memory_bytes
+    if caps.cgroup == "rlimits" or uid is None:  # no cgroup: processes x address space <= budget
+        nproc = max(1, min(nproc, memory // MIN_PROCESS_BYTES))
+        memory //= nproc
+    # RLIMIT_NPROC counts every task of the uid. Set after setresuid: lowered before it,
+    # leftovers of the uid would make the kernel refuse the drop (PF_NPROC_EXCEEDED).
+    if uid is None:  # without a uid of our own it must leave room for this user's others
+        nproc += _tasks_of(os.getuid())
+    return {"NPROC": nproc, "FSIZE": limits.max_file_bytes, "NOFILE": limits.max_open_files,
+            "CPU": limits.cpu_seconds(), "AS": memory}
+
+
+def _config(limits: SandboxLimits, uid: int | None, caps: _Capabilities, *, workdir: str, nonce: str,
+            probe: bool = False, dirty: bool = False) -> dict[str, Any]:
+    return {
+        "uid": uid, "netns": caps.netns, "mntns": caps.mntns, "ipcns": caps.ipcns, "hide": caps.hide,
+        "expose": caps.expose, "probe": probe, "dirty": dirty, "workdir": workdir, "disk": limits.disk_bytes,
+        "cgroups": _cgroup_settings(caps, uid if uid is not None else 0, limits) if caps.cgroup != "rlimits" else [],
+        "rlimits": _rlimits(limits, caps, uid), "env": _child_env(workdir), "nonce": nonce,
+    }
 
 
 class _Lease(NamedTuple):
-    """Exclusive use of one sandbox uid: an flock on a root-owned lock file, freed by closing `fd`."""
+    """Exclusive use of one sandbox uid: an flock on a root-owned lock file, freed by closing
+    `fd`. The file holds b"1" while the uid may hold something of a run (`dirty`: a crashed
+    engine's run that was never cleaned up)."""
 
     uid: int
     fd: int
+    dirty: bool = False
 
 
 def _try_lease(uids: tuple[int, ...]) -> _Lease | None:
@@ -234,15 +394,24 @@ def _try_lease(uids: tuple[int, ...]) -> _Lease | None:
     if st.st_uid != 0 or st.st_mode & 0o022 or not os.path.isdir(LOCK_DIR) or os.path.islink(LOCK_DIR):
         raise SandboxError(f"{LOCK_DIR} must be a root-owned directory not writable by others")
     for _ in range(len(uids)):
-        with _slot_lock:  # round robin, so a just-released uid (zombies still counted) rests
+        with _slot_lock:  # round robin, so a just-released uid rests
             uid, _next_slot = uids[_next_slot % len(uids)], _next_slot + 1
         fd = os.open(os.path.join(LOCK_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return _Lease(uid, fd)
         except BlockingIOError:
             os.close(fd)
+            continue
+        dirty = os.pread(fd, 1, 0) == b"1"
+        os.pwrite(fd, b"1", 0)
+        return _Lease(uid, fd, dirty)
     return None
+
+
+def _release(lease: _Lease, clean: bool) -> None:
+    if clean:
+        os.ftruncate(lease.fd, 0)
+    os.close(lease.fd)  # drops the flock: the uid is free again
 
 
 async def _lease(uids: tuple[int, ...]) -> _Lease:
@@ -251,21 +420,20 @@ async def _lease(uids: tuple[int, ...]) -> _Lease:
     return lease
 
 
-class _Collector(asyncio.SubprocessProtocol):
+class _Collector:
     """Takes the child's output as it arrives, so the child never blocks on a full pipe: keeps
-    the first `keep` bytes of each stream, counts the rest, and flags a flood past `flood_at`.
-
-    We use a protocol rather than `Process.wait()`: in 3.11 `wait()` also waits for the pipes
-    to close, which a daemon that inherited stdout would delay until the timeout."""
+    the first `keep` bytes of each stream, counts the rest, and flags a flood past `flood_at`."""
 
     def __init__(self, keep: int, flood_at: int) -> None:
         loop = asyncio.get_running_loop()
         self.keep, self.flood_at, self.total, self.dropped = keep, flood_at, 0, 0
         self.kept = {1: bytearray(), 2: bytearray()}
-        self.exited, self.flood, self.closed = loop.create_future(), loop.create_future(), loop.create_future()
+        self.flood, self.closed = loop.create_future(), loop.create_future()
         self._open = {1, 2}
+        self.transports: list[asyncio.BaseTransport] = []
 
-    def pipe_data_received(self, fd: int, data: bytes | bytearray) -> None:
+    def data(self, fd: int, data: bytes) -> None:
+        """Keep what fits, count the rest."""
         kept = self.kept[fd]
         room = max(0, self.keep - len(kept))
         kept += data[:room]
@@ -274,154 +442,124 @@ class _Collector(asyncio.SubprocessProtocol):
         if self.total > self.flood_at and not self.flood.done():
             self.flood.set_result(None)
 
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+    def lost(self, fd: int) -> None:
+        """A stream reached EOF."""
         self._open.discard(fd)
         if not self._open and not self.closed.done():
             self.closed.set_result(None)
 
-    def process_exited(self) -> None:
-        if not self.exited.done():
-            self.exited.set_result(None)
+    async def attach(self, fd: int, raw: int) -> None:
+        """Read pipe `raw` as stream `fd` (1 or 2) on the running loop."""
+        collector = self
+
+        class Stream(asyncio.Protocol):
+            def data_received(self, data: bytes) -> None:
+                collector.data(fd, data)
+
+            def eof_received(self) -> bool:
+                return False
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                collector.lost(fd)
+
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            Stream, open(raw, "rb", buffering=0))  # noqa: SIM115, ASYNC230 - a pipe; the transport owns and closes it
+        self.transports.append(transport)
+
+    def close(self) -> None:
+        """Stop listening (a daemon of a run without a uid may hold a pipe open)."""
+        for transport in self.transports:
+            transport.close()
 
 
-def _write_script(path: str, code: str, owner: int | None) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(code)
-    if owner is not None:
-        for p in (os.path.dirname(path), path):
-            os.chown(p, owner, owner)
-
-
-def _killpg(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _kill_cmd(uid: int) -> list[str]:
-    # The helper starts as root and drops to the uid itself: the uid may be unable to exec
-    # the interpreter (e.g. one under /root) outside the sandbox's mount namespace.
-    return _launcher_cmd({"kill": uid})
-
-
-def _uid_has_processes(uid: int) -> bool:
-    """Whether any process runs as `uid` (read from /proc/*/status, which the process cannot hide)."""
-    wanted = str(uid)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status", "rb") as f:
-                for line in f:
-                    if line.startswith(b"Uid:"):
-                        if wanted in line.decode().split()[1:]:
-                            return True
-                        break
-        except OSError:
-            continue  # it exited while we looked
-    return False
-
-
-async def _kill_uid(uid: int) -> bool:
-    """SIGKILL every process of `uid`, daemons that left our process group included.
-
-    When /proc shows none, the helper (an interpreter start, ~30 ms) is skipped: only root
-    can start a process as that uid, so none can appear once the last one is gone.
-    """
-    if not await asyncio.to_thread(_uid_has_processes, uid):
-        return False
-    helper = await asyncio.create_subprocess_exec(
-        *_kill_cmd(uid), env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    rc = await helper.wait()
-    if rc not in (0, 1):
-        raise SandboxError(f"the cleanup helper for uid {uid} failed with exit code {rc}")
-    return rc == 0
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 async def run_python(
     code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: bytes | None = None
 ) -> SandboxResult:
-    """Run `code` as a Python program in a fresh sandbox; returns with nothing of it left running."""
+    """Run `code` as a Python program in a fresh sandbox; returns with nothing of it left running.
+
+    Cancelling the awaiting task kills the whole run and waits (shielded) for its cleanup."""
     caps = _caps if _caps is not None else await asyncio.to_thread(_capabilities)
-    hostdir = tempfile.mkdtemp(prefix="sandbox-")
-    lease: _Lease | None = None
-    transport: asyncio.SubprocessTransport | None = None
-    out: _Collector | None = None
+    z = client.current() or await asyncio.to_thread(_zygote)
+    lease = await _lease(caps.uids) if caps.root else None
+    uid = lease.uid if lease else None
+    nonce = uuid.uuid4().hex
+    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{nonce}")
+    if uid is None:  # counting this user's tasks reads all of /proc: not on the event loop
+        cfg = await asyncio.to_thread(_config, limits, uid, caps, workdir=workdir, nonce=nonce)
+    else:
+        cfg = _config(limits, uid, caps, workdir=workdir, nonce=nonce, dirty=bool(lease and lease.dirty))
+    out = _Collector(limits.output_bytes, limits.drain_bytes)
+    own: list[int] = []  # ours to close once sent (the zygote got copies)
+    unread: list[int] = []  # read ends not handed to a transport yet
+    try:
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        own.append(out_w)
+        unread.append(out_r)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        own.append(err_w)
+        unread.append(err_r)
+        await out.attach(1, unread.pop(0))
+        await out.attach(2, unread.pop(0))
+        stdin_fd = _memfd("sandbox-stdin", stdin) if stdin is not None else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        own.append(stdin_fd)
+        own.append(_memfd("sandbox-code", code.encode("utf-8", errors="surrogateescape")))
+        run_id, fut = z.submit(cfg, [stdin_fd, out_w, err_w, own[-1], *([lease.fd] if lease else [])],
+                               on_done=(lambda d, held=lease: _release(held, not d["error"])) if lease else None)
+    except BaseException as e:
+        out.close()
+        for fd in unread:
+            os.close(fd)
+        if lease is not None:
+            _release(lease, False)
+        if isinstance(e, client.ZygoteError):
+            raise SandboxError(str(e)) from e
+        raise
+    finally:
+        for fd in own:
+            os.close(fd)
+    lease = None  # on_done owns it now
+    done = asyncio.wrap_future(fut)
     started, timed_out, ours = time.time(), False, False
     try:
-        lease = await _lease(caps.uids) if caps.root else None
-        uid = lease.uid if lease else None
-        script = os.path.join(hostdir, "main.py")
-        workdir = SANDBOX_DIR if caps.mntns else hostdir
-        # Without a mount namespace the child works in the host dir: it must own it to write there.
-        await asyncio.to_thread(_write_script, script, code, uid if uid is not None and not caps.mntns else None)
-        cfg = _config(limits, uid, caps, workdir=workdir, script_src=script)
-        started = time.time()
-        transport, out = await asyncio.get_running_loop().subprocess_exec(
-            lambda: _Collector(limits.output_bytes, limits.drain_bytes), *_launcher_cmd(cfg),
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=_child_env(workdir), cwd=hostdir, start_new_session=True,
-        )
-        if stdin is not None:
-            pipe = transport.get_pipe_transport(0)
-            assert isinstance(pipe, asyncio.WriteTransport)
-            pipe.write(stdin)  # buffered by the transport; a child that never reads just loses it
-            pipe.write_eof()
-        ends = [out.exited, out.flood]
-        done, _ = await asyncio.wait(ends, timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        timed_out = not done
+        finished, _ = await asyncio.wait([done, out.flood], timeout=limits.timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not finished
     finally:
-        # Runs on exit, timeout, flood, error and cancellation alike. The group kill is synchronous
-        # so it happens even if we are cancelled again while awaiting the rest of the cleanup.
-        if transport is not None and transport.get_returncode() is None:
-            ours = _killpg(transport.get_pid())
-        strays = await asyncio.shield(asyncio.ensure_future(_cleanup(transport, out, lease, hostdir)))
-    assert transport is not None and out is not None
-    rc, err = transport.get_returncode(), bytes(out.kept[2])
-    if rc == SETUP_FAILED and err.startswith(cfg["nonce"].encode()):
-        raise SandboxError(err.decode(errors="replace")[len(cfg["nonce"]) + 1:].strip())
+        # On timeout, flood, error and cancellation alike. The kill is sent synchronously, so it
+        # happens even if we are cancelled again while awaiting the cleanup.
+        if not done.done():
+            z.kill(run_id)
+            ours = True
+        ended = await asyncio.shield(_drain(done, out, uid))
+    result = done.result()
+    rc, err = result["rc"], bytes(out.kept[2])
+    if result["error"]:
+        raise SandboxError(result["error"])
+    if rc == SETUP_FAILED and err.startswith(nonce.encode()):
+        raise SandboxError(err.decode(errors="replace")[len(nonce) + 1:].strip())
     return SandboxResult(
         stdout=out.kept[1].decode(errors="replace"), stderr=err.decode(errors="replace"),
         returncode=None if ours else rc, timed_out=timed_out, truncated=out.dropped > 0,
-        started=started, ended=time.time(), killed=ours or strays, dropped=out.dropped,
+        started=started, ended=ended, killed=ours or result["strays"], dropped=out.dropped,
     )
 
 
-async def _cleanup(transport: asyncio.SubprocessTransport | None, out: _Collector | None, lease: _Lease | None,
-                   hostdir: str) -> bool:
-    """Kill what the run left behind, reap it, close the pipes, free the uid and the dir.
-
-    Returns whether stray processes had to be killed."""
-    uid = lease.uid if lease else None
-    strays = cancelled = False
+async def _drain(done: asyncio.Future[Any], out: _Collector, uid: int | None) -> float:
+    """Wait for the run and its cleanup, then for the pipes to close; returns the end time."""
     try:
-        if uid is not None:
-            strays = await _kill_uid(uid)
-        elif transport is not None:
-            strays = _killpg(transport.get_pid())  # best effort: without a uid, a setsid daemon escapes
-        if transport is not None and out is not None:
-            await asyncio.wait([out.exited], timeout=30)  # SIGKILLed: only a hung kernel call delays it
-            # As root every writer is dead now and the pipes close at once; without root an
-            # escaped daemon may hold them open, so we stop listening after a grace period.
-            await asyncio.wait([out.closed], timeout=5 if uid is not None else 1)
-    except asyncio.CancelledError:
-        # Shielded work is cancelled only when the loop itself shuts down (asyncio.run's
-        # teardown cancels every task): then block for the few ms a synchronous kill takes.
-        cancelled = True
-        if uid is not None:
-            kill = _kill_cmd(uid)
-            subprocess.run(kill, check=False, env={}, cwd="/", capture_output=True, timeout=30)  # noqa: ASYNC221
-        raise
+        await done
+        # As root every writer is dead now and the pipes close at once; without a uid an
+        # escaped daemon may hold them open, so we stop listening after a grace period.
+        await asyncio.wait([out.closed], timeout=5 if uid is not None else 1)
     finally:
-        if transport is not None:
-            transport.close()
-        if lease is not None:
-            os.close(lease.fd)  # drops the flock: the uid is free again
-        if cancelled:
-            shutil.rmtree(hostdir, ignore_errors=True)
-        else:  # in a thread: without a mount namespace the child may have left many files here
-            await asyncio.to_thread(shutil.rmtree, hostdir, True)
-    return strays
+        out.close()
+    return time.time()

@@ -6,27 +6,36 @@ slots, so the wall time includes everything a tool turn costs (sandbox start, ui
 lease, cleanup, the engine's bookkeeping). The ideal is `M * s * ceil(K / slots)`.
 
 Figure 4 times single `print(1)` runs through the registered `code_interpreter` tool,
-next to the cost of starting the interpreter at all (`python -c pass`, `python -I -c pass`)
-spawned the same way (asyncio subprocess). The three kinds are interleaved run by run, so
-a noisy moment on the shared machine hits all of them, not one.
+next to the cost of starting a bare interpreter (`python -I -S -c pass`) spawned the same
+way (asyncio subprocess): latency, CPU per call (the engine, the zygote and every child
+together) and calls per second at 32 concurrent. The kinds are interleaved call by call,
+so a noisy moment on the shared machine hits both, not one. `sandbox_figures` adds the
+overlap of sleeping calls (16 x 1 s, 64 x 2 x 0.5 s, straight through `run_python`) and
+how long cancelling a running call takes; `python -m engine.local.bench.sandbox` prints
+only these.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import resource
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import attrs
 
 import tools
 from engine.local.bench.common import Figure, Sizes, median, percentile
 from engine.local.bench.rollout import bench_config, run_engine
 from engine.local.bench.server import CannedServer
 from engine.loop.runtime import Runtime
+from tools.sandbox import SandboxLimits, capabilities, client, run_python
 
 
 def sleep_code(seconds: float) -> str:
@@ -68,8 +77,27 @@ async def tool_concurrency_figure(server: CannedServer, tokenizer: Any, sizes: S
 
 
 def _children_cpu() -> float:
+    """CPU seconds of every process the sandbox ran: the engine's reaped children (a bare
+    interpreter spawned here) and the zygote with its reaped children (the sandboxed runs)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime + _zygote_cpu()
+
+
+def _zygote_cpu() -> float:
+    z = client.current()
+    if z is None:
+        return 0.0
+    try:
+        with open(f"/proc/{z.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
+def _cpu_now() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime + _children_cpu()
 
 
 async def _spawn(*args: str) -> None:
@@ -80,8 +108,7 @@ async def _spawn(*args: str) -> None:
         raise RuntimeError(f"{args} exited {proc.returncode}")
 
 
-async def sandbox_latency_figure(sizes: Sizes) -> Figure:
-    """Figure 4: p50/p99 of `print(1)` in the sandbox next to bare interpreter start-up."""
+def _sandboxed_call() -> Callable[[], Awaitable[None]]:
     tool = tools.get("code_interpreter")
     if tool is None:
         raise RuntimeError("no code_interpreter registered")
@@ -92,21 +119,146 @@ async def sandbox_latency_figure(sizes: Sizes) -> Figure:
         if text != "Output:\n1":
             raise RuntimeError(f"sandboxed print(1) gave {text!r}")
 
-    kinds = {
-        "sandbox": sandboxed,
-        "python -c pass": lambda: _spawn(sys.executable, "-c", "pass"),
-        "python -I -c pass": lambda: _spawn(sys.executable, "-I", "-c", "pass"),
-    }
+    return sandboxed
+
+
+BARE = "python -I -S -c pass"
+
+
+def _kinds() -> dict[str, Callable[[], Awaitable[None]]]:
+    """The sandboxed call and the bare interpreter start it is compared with."""
+    return {"sandbox": _sandboxed_call(), BARE: lambda: _spawn(sys.executable, "-I", "-S", "-c", "pass")}
+
+
+async def _latency_and_cpu(runs: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Per kind: wall seconds of each of `runs` calls, and CPU seconds per call (engine,
+    zygote and children together), the kinds interleaved call by call."""
+    kinds = _kinds()
     times: dict[str, list[float]] = {name: [] for name in kinds}
-    await sandboxed()  # first run probes the kernel's namespaces once
-    for _ in range(sizes.sandbox_runs):
+    cpu = {name: 0.0 for name in kinds}
+    for run in kinds.values():
+        await run()  # warm: the probe, the zygote, the page cache
+    for _ in range(runs):
         for name, run in kinds.items():
-            started = time.perf_counter()
+            c0, t0 = _cpu_now(), time.perf_counter()
             await run()
-            times[name].append(time.perf_counter() - started)
-    ms = {name: (percentile(t, 50) * 1e3, percentile(t, 99) * 1e3) for name, t in times.items()}
-    notes = {f"{name} p50/p99 ms": [round(p50, 2), round(p99, 2)] for name, (p50, p99) in ms.items()}
-    return Figure(
-        "sandbox_latency", f"sandbox print(1) p50 (p99 {ms['sandbox'][1]:.1f} ms), N={sizes.sandbox_runs}",
-        ms["sandbox"][0], "ms", ms["python -c pass"][0], "python -c pass p50", "ratio", "<=", 2.0, sizes.sandbox_runs, notes,
-    )
+            times[name].append(time.perf_counter() - t0)
+            cpu[name] += _cpu_now() - c0
+    return times, {name: total / runs for name, total in cpu.items()}
+
+
+async def _throughput(call: Callable[[], Awaitable[None]], concurrency: int, total: int) -> float:
+    """Calls per second with `concurrency` callers making `total` calls together."""
+    left = total
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await call()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return total / (time.perf_counter() - t0)
+
+
+async def _cancel_seconds(repeats: int) -> list[float]:
+    """How long cancelling a running call takes until it returned, everything of it killed."""
+    took = []
+    for _ in range(repeats):
+        task = asyncio.create_task(run_python("import time\ntime.sleep(60)", SandboxLimits(timeout_s=120)))
+        await asyncio.sleep(0.3)  # running by now
+        t0 = time.perf_counter()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        took.append(time.perf_counter() - t0)
+    return took
+
+
+async def _schedule(samples: int, calls: int, seconds: float) -> float:
+    """Wall time of `samples` concurrent callers each making `calls` sandboxed sleeps in turn."""
+    code = sleep_code(seconds)
+
+    async def sample() -> None:
+        for _ in range(calls):
+            result = await run_python(code, SandboxLimits(timeout_s=seconds + 30))
+            if result.returncode != 0:
+                raise RuntimeError(f"a sandboxed sleep failed: {result.stderr[-300:]}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(sample() for _ in range(samples)))
+    return time.perf_counter() - t0
+
+
+async def sandbox_latency_figure(sizes: Sizes) -> Figure:
+    """Figure 4: p50 of `print(1)` through the code interpreter next to `python -I -S -c pass`."""
+    return (await sandbox_figures(sizes, full=False))[0]
+
+
+async def sandbox_figures(sizes: Sizes, *, full: bool = True) -> list[Figure]:
+    """The sandbox's cost, each beside a bare interpreter start measured in the same run:
+    `print(1)` latency and CPU per call, calls per second at 32 concurrent, and (with
+    `full`) sleeping calls overlapping at 16 x 1 s and 64 x 2 x 0.5 s, and cancel time."""
+    runs = sizes.sandbox_runs
+    times, cpu = await _latency_and_cpu(runs)
+    p50 = {name: percentile(t, 50) * 1e3 for name, t in times.items()}
+    p99 = {name: percentile(t, 99) * 1e3 for name, t in times.items()}
+    iso = probe_isolation()
+    figures = [
+        Figure("sandbox_latency", f"sandbox print(1) p50 (p99 {p99['sandbox']:.1f} ms), N={runs}", p50["sandbox"],
+               "ms", p50[BARE], f"{BARE} p50", "value", "<=", 15.0, runs,
+               {"p50/p99 ms": {k: [round(p50[k], 2), round(p99[k], 2)] for k in p50}, "isolation": iso}),
+        Figure("sandbox_cpu", "sandbox print(1) CPU per call (engine + zygote + child)", cpu["sandbox"] * 1e3, "ms",
+               cpu[BARE] * 1e3, f"{BARE} CPU", "value", "<=", 15.0, runs),
+    ]
+    if not full:
+        return figures
+    kinds = _kinds()
+    total = max(64, 4 * runs)
+    rates = {}
+    for name in (BARE, "sandbox", BARE):  # the floor on both sides: the box is shared
+        rates.setdefault(name, []).append(await _throughput(kinds[name], 32, total))
+    figures.append(Figure("sandbox_throughput", f"sandbox print(1) calls/s, 32 concurrent, {total} calls",
+                          rates["sandbox"][0], "calls/s", median(rates[BARE]), f"{BARE} calls/s", "value", ">=", 100.0,
+                          1, {"bare runs": [round(r, 1) for r in rates[BARE]]}))
+    for samples, calls, seconds, target in ((16, 1, 1.0, 1.2), (64, 2, 0.5, 1.5)):
+        wall = await _schedule(samples, calls, seconds)
+        figures.append(Figure(f"sandbox_overlap_{samples}x{calls}", f"{samples} x {calls} sandboxed sleeps of "
+                              f"{seconds:g} s, all concurrent", wall, "s", calls * seconds, "ideal calls*s", "ratio",
+                              "<=", target, 1))
+    cancels = await _cancel_seconds(5)
+    figures.append(Figure("sandbox_cancel", "cancel a running call until it returned, all of it killed",
+                          median(cancels) * 1e3, "ms", None, "", None, None, None, len(cancels),
+                          {"max ms": round(max(cancels) * 1e3, 1)}))
+    return figures
+
+
+def probe_isolation() -> dict[str, Any]:
+    """What isolation the measured sandbox had (the README says which the host got)."""
+    iso = capabilities()
+    return {k: iso[k] for k in ("root", "uid_per_run", "netns", "mntns", "ipcns", "cgroup", "zygote")}
+
+
+def main() -> int:
+    """`python -m engine.local.bench.sandbox [--small]`: only the sandbox's figures."""
+    import argparse
+
+    from engine.local.bench.report import format_table
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--runs", type=int, default=None)
+    ns = parser.parse_args()
+    sizes = Sizes.small() if ns.small else Sizes.default()
+    if ns.runs:
+        sizes = attrs.evolve(sizes, sandbox_runs=ns.runs)
+    figures = asyncio.run(sandbox_figures(sizes))
+    for number, figure in enumerate(figures):
+        figure.number = 4 if number < 3 else 3
+    print(format_table(figures, {"python": sys.version.split()[0], "cpus": os.cpu_count()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

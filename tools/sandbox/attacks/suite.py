@@ -7,8 +7,9 @@ program got, the host's process table, files and free disk space, the signals th
 received - never from the configuration. The "how" column names the mechanism that the
 observation points at, e.g. `network namespace: connect -> ENETUNREACH`.
 
-The attacks live in `resources.py` (limits, processes, cleanup) and
-`isolation.py` (files, network, privileges, other processes); this module holds
+The attacks live in `resources.py` (limits, processes, cleanup), `isolation.py` (files,
+network, privileges, other processes) and `kernel.py` (memory across processes, shared
+memory, SysV, keyrings, uid reuse after a crash, a venv under /tmp); this module holds
 what they share (`Lab`, `attack`), the runner and the report. After each attack, no
 process of a sandbox uid that attack's runs used may be alive: a survivor marks the attack
 not contained whatever else was seen.
@@ -33,8 +34,8 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from tools.sandbox import runner as sandbox
 from tools.code_interpreter import current_limits
+from tools.sandbox import runner as sandbox
 from tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
 
 PROJECT = Path(__file__).resolve().parents[3]  # the checkout (or site-packages) holding `tools`
@@ -147,6 +148,7 @@ def all_attacks() -> list[tuple[str, AttackFn]]:
     # Imported in this order so the report starts with the attacks of tests/tools/test_sandbox.py.
     from tools.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
     from tools.sandbox.attacks import isolation  # noqa: F401
+    from tools.sandbox.attacks import kernel  # noqa: F401
 
     return list(ATTACKS)
 
@@ -238,12 +240,15 @@ async def run_suite(names: list[str] | None = None, lab: Lab | None = None) -> l
 
 
 def describe_sandbox(lab: Lab) -> str:
-    """One line on the layers in use: a uid per run if the runs reported one, and the
-    namespaces the sandbox's probe found."""
+    """One line on the layers in use: a uid per run if the runs reported one, and what the
+    sandbox's probe found (namespaces, cgroup kind, zygote)."""
+    caps = sandbox.capabilities()
+    yes = {True: "yes", False: "no"}
     return (
-        f"uid per run {'yes' if lab.uids else 'no'}, "
-        f"network namespace {'yes' if sandbox.network_isolated() else 'no'}, "
-        f"mount namespace {'yes' if sandbox.filesystem_isolated() else 'no'}"
+        f"uid per run {yes[bool(lab.uids)]}, network namespace {yes[caps['netns']]}, "
+        f"mount namespace {yes[caps['mntns']]}, IPC namespace {yes[caps['ipcns']]}, "
+        f"memory and tasks per run: {'cgroup ' + caps['cgroup'] if caps['cgroup'] != 'rlimits' else 'rlimits'}, "
+        f"zygote {yes[caps['zygote']]}"
     )
 
 

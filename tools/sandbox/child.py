@@ -1,0 +1,464 @@
+"""What a forked child of the zygote does to become a sandbox, and the cleanup helper.
+
+Imported only by `tools/sandbox/zygote.py` (the zygote program, run by path), and by the
+engine for `SETUP_FAILED`; importing it runs nothing. Standard library only, because the
+zygote imports it before anything else and every sandboxed run inherits what it imports.
+
+A run's child, still root (or the engine's user) right after the fork, in this order:
+1. own session (so the zygote can kill the whole process group), default signal dispositions;
+2. joins the run's cgroup(s) (v2, or the v1 memory and pids controllers), before it
+   allocates anything, so every page and task the run ever makes is counted;
+3. new network, mount and IPC namespaces where the host allows them (IPC: SysV objects
+   die with the run and are invisible to every other run);
+4. in the mount namespace: the host read-only, a private size-limited tmpfs on /tmp,
+   `hide` covered by empty tmpfs, `expose` (the interpreter's directories, wherever they
+   live: /tmp, /root, /opt) bound back read-only, its own /proc, stand-in /etc/passwd.
+   All but the private /tmp and the stand-ins come from a template namespace the zygote
+   builds once (`build_template`); the child joins it and copies it (`isolate_run_fs`);
+   `isolate_fs` builds everything per run where no template could be built;
+5. drops to the run's own uid, `PR_SET_NO_NEW_PRIVS`, kills leftovers of that uid; its
+   session keyring is the zygote's sealed one (permissions 0: no run can keep a key there);
+6. rlimits last (RLIMIT_NPROC counts the uid's tasks: see runner._config).
+
+The cleanup helper (`clean_uid`) runs as the uid after a run that left something: SIGKILL
+to all of the uid's processes (kill(-1) is atomic with respect to fork), then it clears and
+invalidates the uid's keyrings and removes its SysV objects and its files in world-writable
+directories, so nothing of a run is left for the next lessee of the uid, in this engine
+process or another. The zygote skips it when the run's cgroup is empty, the uid holds no
+key, and the namespaces kept IPC objects and files private (the common case: a fork saved).
+
+Any setup failure exits with `SETUP_FAILED` (125) after writing `<nonce> <error>` to stderr,
+so the engine can tell a broken sandbox from the program's own exit status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import stat
+import time
+from typing import Any
+
+SETUP_FAILED = 125  # tools.sandbox.runner re-exports it
+CLEAN_STRAYS = 10  # the cleanup helper's exit code when it had to kill processes
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+# Per-mount flags a read-only bind remount must repeat, or the kernel refuses it (EPERM).
+KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "relatime": 1 << 21}
+CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWIPC = 0x40000000, 0x00020000, 0x08000000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_SETPERM, KEYCTL_CLEAR = 0, 1, 5, 7
+KEYCTL_INVALIDATE, KEYCTL_GET_PERSISTENT = 21, 22
+KEY_SPEC_SESSION_KEYRING = -3
+KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
+IPC_RMID = 0
+# Directories any uid may create entries in: where a run without a mount namespace leaves files.
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
+
+class Libc:
+    """The few libc calls `os` lacks, raising OSError like `os` does."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(None, use_errno=True)
+        self.lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        self.lib.syscall.restype = ctypes.c_long
+
+    @staticmethod
+    def check(ret: int, what: str) -> None:
+        """Raise OSError with errno when a libc call returned nonzero."""
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    def mount(self, src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+        """mount(2)."""
+        args = [None if a is None else a.encode() for a in (src, target, fstype)]
+        self.check(self.lib.mount(*args, flags, None if data is None else data.encode()), f"mount {target}")
+
+    def unshare(self, flags: int) -> None:
+        """unshare(2) (os.unshare arrives in 3.12)."""
+        self.check(self.lib.unshare(flags), "unshare")
+
+    def setns(self, fd: int, kind: int) -> None:
+        """setns(2) (os.setns arrives in 3.12)."""
+        self.check(self.lib.setns(fd, kind), "setns")
+
+    def prctl(self, option: int, arg: int, what: str) -> None:
+        """prctl(2) with one argument."""
+        self.check(self.lib.prctl(option, arg, 0, 0, 0), what)
+
+    def keyctl(self, *args: int) -> int:
+        """keyctl(2) through syscall(2) (no libkeyutils needed); -1 with errno set on failure."""
+        if SYS_KEYCTL is None:
+            return -1
+        return int(self.lib.syscall(SYS_KEYCTL, *(ctypes.c_long(a) for a in args)))
+
+
+_libc: Libc | None = None
+
+
+def libc() -> Libc:
+    """The process's `Libc`, made once (in the zygote, so no forked child pays the dlopen)."""
+    global _libc
+    if _libc is None:
+        _libc = Libc()
+    return _libc
+
+
+def become(uid: int) -> None:
+    """Drop from root to `uid` (group too, no supplementary groups)."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # from root to a uid drops every capability
+
+
+def join_cgroups(cgroups: list[list[Any]]) -> None:
+    """Create (if needed) each `[dir, [[file, value], ...]]` cgroup, write its limits in
+    order (v1 wants memsw raised before the limit and lowered after it), move in."""
+    for path, settings in cgroups:
+        os.makedirs(path, exist_ok=True)
+        for name, value in settings:
+            target = os.path.join(path, name)
+            if os.path.exists(target):  # memsw/swap files exist only with swap accounting
+                with open(target, "w") as f:
+                    f.write(str(value))
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+def _account_files(uid: int, home: str) -> dict[str, str]:
+    """Stand-in /etc/passwd and /etc/group naming root and the run's own uid only."""
+    return {
+        "passwd": f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:{home}:/usr/sbin/nologin\n",
+        "group": f"root:x:0:\nsandbox:x:{uid}:\n",
+    }
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def isolate_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
+    """In the new mount namespace: private /tmp, hidden paths, own /proc, the rest read-only."""
+    libc.mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do here propagates to the host
+    # Held open before anything is covered: the interpreter's directories are bound back from
+    # these, wherever they live (a venv under /tmp, pyenv under /root, a checkout under /home).
+    held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in cfg["expose"]]
+    libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk']},nr_inodes=8192,mode=755")
+    for path in cfg["hide"]:
+        libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=755")
+    for fd, path in held:
+        os.makedirs(path, exist_ok=True)
+        libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+    _stand_in_accounts(libc, uid, cfg["workdir"])
+    try:  # a /proc of our own that shows the sandbox only its own processes
+        libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    except OSError:
+        pass  # the host's /proc stays; other uids' processes can still not be signalled
+    os.mkdir(cfg["workdir"], 0o700)
+    os.chown(cfg["workdir"], uid, uid)
+    _make_read_only(libc)
+
+
+def build_template(libc: Libc, cfg: dict[str, Any]) -> None:
+    """A mount namespace every run's starts as a copy of, built once per zygote: hidden
+    paths, the interpreter's directories bound back, a /proc that shows a run only its own
+    processes, everything read-only, /tmp included (each run mounts its own tmpfs over it).
+    A run then pays for its private /tmp only (`isolate_run_fs`), not for ~40 mounts."""
+    libc.unshare(CLONE_NEWNS)
+    libc.mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do here propagates to the host
+    outside = [p for p in cfg["expose"] if not _under(p, "/tmp")]  # /tmp ones: per run, see below
+    held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in outside]
+    for path in cfg["hide"]:
+        libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=755")
+    for fd, path in held:
+        os.makedirs(path, exist_ok=True)
+        libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+    try:  # a /proc of our own that shows the sandbox only its own processes
+        libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    except OSError:
+        pass  # the host's /proc stays; other uids' processes can still not be signalled
+    _make_read_only(libc, writable="")
+
+
+def isolate_run_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
+    """In a copy of the template: a private size-limited tmpfs on /tmp, the interpreter's
+    directories under /tmp (a venv) bound back read-only, stand-in accounts, the workdir."""
+    inside = [p for p in cfg["expose"] if _under(p, "/tmp")]
+    held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in inside]
+    libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk']},nr_inodes=8192,mode=755")
+    for fd, path in held:
+        os.makedirs(path, exist_ok=True)
+        libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+        libc.mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        if not os.statvfs(path).f_flag & os.ST_RDONLY:
+            raise OSError(30, f"could not make {path} read-only")
+    _stand_in_accounts(libc, uid, cfg["workdir"])
+    os.mkdir(cfg["workdir"], 0o700)
+    os.chown(cfg["workdir"], uid, uid)
+
+
+def _stand_in_accounts(libc: Libc, uid: int, home: str) -> None:
+    for name, text in _account_files(uid, home).items():
+        target = f"/etc/{name}"
+        if os.path.isfile(target):  # the host's users and groups are none of the code's business
+            stand_in = f"/tmp/.{name}"
+            with open(stand_in, "w") as f:
+                f.write(text)
+            os.chmod(stand_in, 0o644)
+            libc.mount(stand_in, target, None, MS_BIND)
+            libc.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            os.unlink(stand_in)  # the bind mount keeps the file alive
+
+
+def _make_read_only(libc: Libc, writable: str = "/tmp") -> None:
+    """Remount every mount point but `writable` (the private /tmp) read-only, then verify it."""
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    points = [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), r[4]), r[5].split(",")) for r in rows]
+    for point, opts in points:
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | sum(KEEP.get(o, 0) for o in opts)
+        try:  # a bind remount changes this mount only, never the host's filesystem
+            if point != writable:
+                libc.mount(None, point, None, flags)
+        except OSError:
+            pass  # hidden under one of our tmpfs, or no mount point any more: checked next
+    for point, _ in points:  # whatever the child can reach must now be read-only, /tmp aside
+        try:
+            os.statvfs(point)
+        except OSError:
+            continue
+        if not os.statvfs(point).f_flag & os.ST_RDONLY and point != writable:
+            raise OSError(30, f"could not make {point} read-only")
+
+
+def hold_import_paths(paths: list[str]) -> dict[str, int]:
+    """O_PATH descriptors of the import path's directories, opened while still root.
+
+    Without a mount namespace a dropped uid cannot reach an interpreter under /root (pyenv,
+    conda): `/proc/self/fd/N` reaches the directory itself, skipping its parents' modes."""
+    held = {}
+    for path in paths:
+        try:
+            held[path] = os.open(path, os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            pass  # a zip or a missing entry: imports skip it anyway
+    return held
+
+
+def reroute_import_paths(sys_path: list[str], held: dict[str, int]) -> None:
+    """Replace the entries this uid cannot search by their held descriptors, in place."""
+    for i, path in enumerate(sys_path):
+        fd = held.get(path)
+        if fd is not None and not os.access(path, os.R_OK | os.X_OK):
+            sys_path[i] = f"/proc/self/fd/{fd}"
+
+
+def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
+    """Turn this freshly forked process into the run's sandbox (see the module docstring)."""
+    lib = libc()
+    os.setsid()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)  # SIGPIPE: as python does
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    join_cgroups(cfg["cgroups"])  # in the host's mount namespace: /sys is read-only in ours
+    template = cfg.get("template")
+    if template is not None:
+        lib.setns(template, CLONE_NEWNS)
+        os.close(template)
+    flags = (CLONE_NEWNET if cfg["netns"] else 0) | (CLONE_NEWNS if cfg["mntns"] else 0)
+    flags |= CLONE_NEWIPC if cfg["ipcns"] else 0
+    if flags:
+        lib.unshare(flags)
+    uid = cfg["uid"]
+    held = hold_import_paths(sys_path) if uid is not None and not cfg["mntns"] else {}
+    if cfg["mntns"] and template is not None:
+        isolate_run_fs(lib, cfg, uid if uid is not None else os.getuid())
+    elif cfg["mntns"]:
+        isolate_fs(lib, cfg, uid if uid is not None else os.getuid())
+    else:
+        os.mkdir(cfg["workdir"], 0o700)
+        if uid is not None:
+            os.chown(cfg["workdir"], uid, uid)
+    if uid is not None:
+        become(uid)
+        try:  # leftovers of a crashed engine that held this uid before us
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reroute_import_paths(sys_path, held)
+        # The uid change made us undumpable (root-owned /proc/self); an exec by the uid would
+        # have reset that. Only this uid's processes gain access, and nothing here is secret.
+        lib.prctl(PR_SET_DUMPABLE, 1, "prctl(PR_SET_DUMPABLE)")
+    lib.prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(PR_SET_NO_NEW_PRIVS)")  # no setuid binary undoes the drop
+    lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PR_SET_PDEATHSIG)")  # the zygote gone: so are we
+    os.chdir(cfg["workdir"])
+
+
+def set_limits(cfg: dict[str, Any]) -> None:
+    """rlimits, after the uid drop (see runner._config). RLIMIT_AS bounds growth past what
+    the process already maps (the zygote's preloaded modules), not the inherited total."""
+    limits = dict(cfg["rlimits"])
+    limits["AS"] += _mapped_bytes()
+    for name in ("NPROC", "FSIZE", "NOFILE", "AS"):
+        resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (limits[name], limits[name]))
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["CPU"], limits["CPU"] + 1))  # SIGXCPU, then SIGKILL
+
+
+def _mapped_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def _has_processes(uid: int) -> bool:
+    """As `uid`: whether another live process of it exists. kill(-1, 0) reaches exactly the
+    uid's processes (cheap, and usually ESRCH); only when it hits something is /proc read,
+    because a zombie waiting for its reaper counts for kill() but holds nothing."""
+    try:
+        os.kill(-1, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return _living(uid)
+
+
+def _living(uid: int) -> bool:
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+            alive = fields["State"].split()[0] != "Z" and int(pid) != os.getpid()
+            if alive and fields["Uid"].split()[0] == str(uid):
+                return True
+        except (OSError, ValueError, KeyError):
+            pass  # not a process, or gone meanwhile
+    return False
+
+
+def key_state(uid: int) -> str:
+    """The uid's key counts and bytes from /proc/key-users ("" when it holds no key)."""
+    try:
+        with open("/proc/key-users") as f:
+            for line in f:
+                head, _, rest = line.partition(":")
+                if head.strip() == str(uid):
+                    return " ".join(rest.split()[1:])  # without the reference count
+    except OSError:
+        return "?"  # cannot tell: never equal to a recorded state
+    return ""
+
+
+def seal_session_keyring(libc: Libc) -> None:
+    """For the zygote: a fresh session keyring nobody, possessor included, may use. Every
+    child inherits it, so no run can stash a key where a later run would find it."""
+    if libc.keyctl(KEYCTL_JOIN_SESSION_KEYRING, 0) >= 0:
+        libc.keyctl(KEYCTL_SETPERM, KEY_SPEC_SESSION_KEYRING, 0)
+
+
+def cgroups_busy(cgroups: list[list[Any]]) -> bool:
+    """Whether any task is left in the run's cgroups (tasks cannot leave them by themselves)."""
+    for path, _ in cgroups:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                if f.read().strip():
+                    return True
+        except OSError:
+            return True  # cannot tell: clean anyway
+    return False
+
+
+def _remove_ipc(uid: int) -> None:
+    """Remove the uid's SysV objects (only needed when runs share the host's IPC namespace)."""
+    lib = ctypes.CDLL(None, use_errno=True)
+    for kind, call in (("shm", lib.shmctl), ("msg", lib.msgctl), ("sem", lib.semctl)):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = f.read().splitlines()
+        except OSError:
+            continue
+        cols = header.split()
+        for row in rows:
+            fields = dict(zip(cols, row.split()))
+            if fields.get("uid") == str(uid) or fields.get("cuid") == str(uid):
+                call(int(fields["shmid" if kind == "shm" else "msqid" if kind == "msg" else "semid"]), IPC_RMID, None)
+
+
+def _remove_files(uid: int, workdir: str | None) -> None:
+    """Remove what the uid created in the world-writable directories, the workdir included."""
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    for parent in SHARED_DIRS:
+        try:
+            entries = list(os.scandir(parent))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if st.st_uid != uid:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass  # gone meanwhile
+
+
+def clean_group(pgid: int | None, workdir: str | None) -> int:
+    """The cleanup helper without a uid of the run's own: SIGKILL what is left of its process
+    group (a process that called setsid escapes this) and wait until it is gone, then
+    remove the working directory. Exit code: 0, or `CLEAN_STRAYS` when it killed something."""
+    found = False
+    if pgid is not None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+                found = True
+            except OSError:
+                break  # ESRCH: the group is gone (its zombies reaped too)
+            time.sleep(0.002)
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return CLEAN_STRAYS if found else 0
+
+
+def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) -> int:
+    """The cleanup helper, already forked: as `uid`, kill everything of it, then clear its
+    keyrings, SysV objects (`shared_ipc`) and files (`shared_fs`). Exit code: 0, or
+    `CLEAN_STRAYS` when processes had to be killed."""
+    become(uid)
+    lib = libc()
+    found = _has_processes(uid)
+    if found:
+        os.kill(-1, signal.SIGKILL)  # atomic with respect to fork, unlike any scan
+        deadline = time.monotonic() + 5
+        while _has_processes(uid) and time.monotonic() < deadline:  # pending until each one runs
+            time.sleep(0.002)
+    # The user, user-session and persistent keyrings outlive every process of the uid: empty
+    # them and invalidate them (the kernel then frees them), by serial number, because looking
+    # one up by its special id would create the others again.
+    serials = [lib.keyctl(KEYCTL_GET_KEYRING_ID, ring, 0) for ring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING)]
+    serials.append(lib.keyctl(KEYCTL_GET_PERSISTENT, -1, 0))  # -1: our uid; 0: link nowhere
+    for serial in serials:
+        if serial > 0:
+            lib.keyctl(KEYCTL_CLEAR, serial)
+            lib.keyctl(KEYCTL_INVALIDATE, serial)
+    if shared_ipc:
+        _remove_ipc(uid)
+    if shared_fs:
+        _remove_files(uid, workdir)
+    return CLEAN_STRAYS if found else 0
