@@ -55,6 +55,26 @@ class EngineConfig:
     mask_offpolicy: bool = False
     tokenizer_path: str | None = None
     gc_freeze: bool = True  # see engine.loop.runtime.freeze_long_lived_objects
+    # What a sample that cannot finish hands back (see engine.loop.attempts): "retry" re-runs it
+    # from RESET up to `sample_attempts` times within `sample_deadline` seconds, then ends it
+    # FAILED with remove_sample; "aborted" hands ABORTED back at once, for a caller that re-queues.
+    abort_status: str = attrs.field(default="retry", validator=v.in_(("retry", "aborted")))
+    sample_attempts: int = attrs.field(default=3, validator=_positive)
+    sample_deadline: float = attrs.field(default=1800.0, validator=_positive)
+    # Routing replay (R3): ask for routed experts each turn; a row is num_layers x moe_router_topk int32.
+    routing_replay: bool = False
+    num_layers: int = attrs.field(default=0, validator=_non_negative)
+    moe_router_topk: int = attrs.field(default=0, validator=_non_negative)
+    fully_async: bool = False  # slime's fully-async worker is the caller: it re-queues ABORTED groups
+
+    def __attrs_post_init__(self) -> None:
+        if self.routing_replay and not (self.num_layers and self.moe_router_topk):
+            raise ValueError("routing replay needs num_layers and moe_router_topk (slime args) to be set")
+
+    @property
+    def expert_row_bytes(self) -> int:
+        """Bytes of one token's routed experts (int32 per layer and top-k slot); 0 without R3."""
+        return 4 * self.num_layers * self.moe_router_topk if self.routing_replay else 0
 
     def context_limit(self, prompt_length: int) -> int | None:
         """The most tokens prompt + response may hold for a prompt of this length."""
@@ -104,4 +124,17 @@ class EngineConfig:
             mask_offpolicy=bool(get("mask_offpolicy_in_partial_rollout", False)),
             tokenizer_path=get("hf_checkpoint", None),
             gc_freeze=bool(get("engine_gc_freeze", True)),
+            abort_status=str(get("engine_abort_status", "retry")).lower(),
+            sample_attempts=int(get("engine_sample_attempts", 3)),
+            sample_deadline=float(get("engine_sample_deadline", 1800.0)),
+            routing_replay=bool(get("use_rollout_routing_replay", False)),
+            num_layers=int(get("num_layers", 0)),
+            moe_router_topk=int(get("moe_router_topk", 0)),
+            fully_async=is_fully_async(args),
         )
+
+
+def is_fully_async(args: Any) -> bool:
+    """Whether slime's fully-async rollout worker drives generate (it re-queues ABORTED groups)."""
+    path = getattr(args, "rollout_function_path", None)
+    return isinstance(path, str) and "fully_async" in path

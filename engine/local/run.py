@@ -23,11 +23,10 @@ from typing import Any
 import httpx
 
 from engine.config import EngineConfig, RetryPolicy
-from engine.profiles.reward import retool_score
 from engine.loop.runtime import Runtime
 from engine.local.sample import Sample
-from engine.slime.sample_io import clear_sample, engine_metadata
-from engine.slime import run_sample
+from engine.slime.sample_io import clear_sample
+from engine.slime import reward_func, run_sample
 from engine.trace.summary import format_summary, summarize
 
 
@@ -115,7 +114,7 @@ async def roll_out(samples: list[Sample], cfg: EngineConfig, params: dict[str, A
             async with gate:
                 await run_sample(rt, sample, dict(params))
                 if sample.status.name in ("COMPLETED", "TRUNCATED", "FAILED"):
-                    sample.reward = retool_score(sample.response, sample.label, int(engine_metadata(sample).get("tool_stats", {}).get("calls", 0)))
+                    sample.reward = await reward_func(None, sample)
             emit(sample)
 
         for sample in samples:

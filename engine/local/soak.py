@@ -209,7 +209,8 @@ class SampleChecker:
         self.budget = rt.cfg.max_context_len
         self.recorder = recorder
         self._prompts: dict[str, list[int]] = {}
-        self._schemas = [tools.get(n).schema() for n in tools.names()]  # type: ignore[union-attr]
+        offered = rt.allowed_tools()  # the profile's default offer (retool: code_interpreter alone)
+        self._schemas = [tools.get(n).schema() for n in tools.names() if n in offered]  # type: ignore[union-attr]
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         key = json.dumps(prompt, ensure_ascii=False)

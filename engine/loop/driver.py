@@ -21,7 +21,7 @@ from engine.machine.rollout import Rollout
 from engine.loop.runtime import Runtime
 from engine.loop.text import IncrementalText
 from engine.machine.trajectory import InvariantViolation
-from engine.sglang.wire import Failure
+from engine.sglang.wire import Failure, Reply, require_routed_experts, require_top_p, top_p_asked
 
 Step = Callable[[Runtime, Rollout], Awaitable[str]]
 FAILURE_TRIGGERS = {"context_exceeded": "context_rejected", "rejected": "request_rejected", "unavailable": "request_failed"}
@@ -32,10 +32,10 @@ class NoEdge(RuntimeError):
 
 
 async def step_reset(rt: Runtime, r: Rollout) -> str:
-    r.prompt_ids = await rt.prompt_ids(r.prompt, r.allowed_tools)
+    r.prompt_ids = await rt.prompt_ids(r.prompt, r.allowed_tools, r.tool_schemas)
     if not (r.cfg.partial_rollout and r.saved is not None):
         return "start"
-    restored = checkpoint.validate(r.saved, r.prompt_ids, r.cfg.mask_offpolicy)
+    restored = checkpoint.validate(r.saved, r.prompt_ids, r.cfg.mask_offpolicy, r.cfg.expert_row_bytes)
     if isinstance(restored, str):
         r.resume_rejected = restored
     else:
@@ -56,14 +56,18 @@ async def step_budget_check(rt: Runtime, r: Rollout) -> str:
 
 async def step_generate(rt: Runtime, r: Rollout) -> str:
     started = time.perf_counter()
+    input_ids = r.traj.input_ids()
+    experts_start = r.traj.routed_rows if r.traj.experts is not None else None
     outcome = await rt.client.generate(
-        r.traj.input_ids(), r.sampling_params, r.max_new_tokens, routing_key=r.routing_key
+        input_ids, r.sampling_params, r.max_new_tokens, routing_key=r.routing_key, routed_experts_start=experts_start
     )
     r.generation_time += time.perf_counter() - started
     r.reply, r.turn = None, None
     if isinstance(outcome, Failure):
         r.error = f"{outcome.kind}: {outcome.message}"
         return FAILURE_TRIGGERS[outcome.kind]
+    outcome = check_reply(r, outcome, len(input_ids), experts_start)
+    r.call_stats.append(outcome.stats)
     r.reply = outcome
     if outcome.problem is None:
         # A resumed turn continues the tokens it had: parse the whole turn, not the tail.
@@ -72,6 +76,17 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
     else:
         r.error = f"{outcome.problem}: {outcome.problem_detail}"
     return "reply"
+
+
+def check_reply(r: Rollout, reply: Reply, input_length: int, experts_start: int | None) -> Reply:
+    """What this request asked for and the parser cannot know: top-p replay, routed-expert rows."""
+    if top_p_asked(r.sampling_params):
+        reply = require_top_p(reply)
+    if experts_start is not None:
+        reply = require_routed_experts(
+            reply, sequence_length=input_length + len(reply.ids), start=experts_start, row_bytes=r.traj.expert_row_bytes
+        )
+    return reply
 
 
 async def step_tool_call(rt: Runtime, r: Rollout) -> str:
@@ -98,7 +113,15 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     started = time.perf_counter()
     if name not in r.tool_states:
         r.tool_states[name] = await tool.create()
-    results = await asyncio.gather(*(rt.tool_runner.call(tool, r.tool_states[name], c) for c in mine))
+    running = asyncio.ensure_future(asyncio.gather(*(rt.tool_runner.call(tool, r.tool_states[name], c) for c in mine)))
+    if not await finished_unless_aborted(rt, running):
+        # The caller is ending the step: cut the calls (cancelling a sandboxed run kills its
+        # process) and end resumable, so the caller's abort() does not wait on them.
+        r.tool_time += time.perf_counter() - started
+        r.error = f"abort requested while {name} ran"
+        r.stop_because("abort_requested")
+        return "cancelled"
+    results = running.result()
     elapsed = time.perf_counter() - started
     r.tool_time += elapsed
     stats = r.tool_stats
@@ -111,6 +134,27 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
                 stats["timeouts"] = stats.get("timeouts", 0) + 1
     r.results.extend(results)
     return "tool_done"
+
+
+ABORT_POLL_SECONDS = 0.2  # how often running tool calls look at the caller's abort flag
+
+
+async def finished_unless_aborted(rt: Runtime, task: asyncio.Future[Any]) -> bool:
+    """Wait for `task`; if the caller starts aborting first, cancel it, wait for it, return False."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=ABORT_POLL_SECONDS)
+            if done:
+                return True
+            if rt.abort_requested():
+                break
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return False
 
 
 STEPS: dict[str, Step] = {
@@ -180,6 +224,16 @@ def finish(rt: Runtime, r: Rollout, machine: RolloutMachine, text: IncrementalTe
         if r.state != "ABORTED":
             _fire_fault(machine, r, "invariant_violated")
         r.text = rt.profile.decode(r.traj.response_ids.tolist())
+    r.final_text = final_model_text(rt, r)
+
+
+def final_model_text(rt: Runtime, r: Rollout) -> str:
+    """The model's own last words: its tokens after the last observation, never tool output."""
+    start = next((s.end for s in reversed(r.traj.segments) if s.kind == "observation"), 0)
+    if start == 0:
+        return r.text
+    ids = r.traj.response_ids[start:].tolist()
+    return rt.profile.decode(ids) if ids else ""
 
 
 async def release_tool_states(r: Rollout) -> None:

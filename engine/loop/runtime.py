@@ -40,21 +40,27 @@ class Runtime:
     # Samples starting in one burst take turns rendering their prompts, so the event loop
     # gets a say between every few dozen of them instead of after thousands.
     start_gate: asyncio.Semaphore = attrs.field(factory=lambda: asyncio.Semaphore(START_GATE))
-    _prompts: OrderedDict[tuple[str, frozenset[str], int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
+    _prompts: OrderedDict[tuple[str, frozenset[str], str, int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
 
-    async def prompt_ids(self, prompt: Any, allowed: frozenset[str]) -> list[int]:
+    async def prompt_ids(
+        self, prompt: Any, allowed: frozenset[str], own_schemas: dict[str, dict[str, Any]] | None = None
+    ) -> list[int]:
         """The rendered prompt's ids. Cached: the samples of a GRPO group share one prompt.
 
-        Every start passes the gate and yields once: thousands of samples started together
-        would otherwise each run to their first request in a single event-loop turn.
+        `own_schemas` are the sample's own tool schemas (slime's `--tool-key`), shown instead of
+        the registered ones for the tools they name. Every start passes the gate and yields once:
+        thousands of samples started together would otherwise each run to their first request in
+        a single event-loop turn.
         """
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
-        key = (text, allowed, tools.registry.version())  # a re-registered tool may change its schema
+        own = json.dumps(own_schemas, sort_keys=True, default=str) if own_schemas else ""
+        key = (text, allowed, own, tools.registry.version())  # a re-registered tool may change its schema
         async with self.start_gate:
             await asyncio.sleep(0)
             ids = self._prompts.get(key)
             if ids is None:
-                ids = self._prompts[key] = tuple(self.profile.render_prompt(prompt, self.tool_schemas(allowed)))
+                schemas = self.tool_schemas(allowed, own_schemas)
+                ids = self._prompts[key] = tuple(self.profile.render_prompt(prompt, schemas))
                 if len(self._prompts) > PROMPT_CACHE:
                     self._prompts.popitem(last=False)
             else:
@@ -80,17 +86,25 @@ class Runtime:
         client = SGLangClient(cfg.server_url, http, cfg.retry)
         return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg), abort_check=abort_check)
 
-    def tool_schemas(self, allowed: frozenset[str]) -> list[dict[str, Any]]:
-        """The schemas shown in the prompt, in registry order."""
-        return [tools.get(n).schema() for n in tools.names() if n in allowed]  # type: ignore[union-attr]
+    def tool_schemas(
+        self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The schemas shown in the prompt, in registry order; a sample's own schema where it gave one."""
+        own = own or {}
+        return [own.get(n) or tools.get(n).schema() for n in tools.names() if n in allowed]  # type: ignore[union-attr]
 
     def allowed_tools(self, requested: Any = None) -> frozenset[str]:
-        """Registered tools, narrowed by the settings and by a sample's own list."""
+        """The tools a sample is offered: registered ones, narrowed by the settings (`engine_tools`)
+        and by the sample's own list; with neither, by the profile's default (retool offers
+        `code_interpreter` alone, as slime's example does)."""
         allowed = set(tools.names())
         if self.cfg.tools is not None:
             allowed &= set(self.cfg.tools)
         if requested is not None:
             allowed &= set(requested)
+        default = getattr(self.profile, "default_tools", None)
+        if self.cfg.tools is None and requested is None and default is not None:
+            allowed &= set(default)
         return frozenset(allowed)
 
     async def aclose(self) -> None:

@@ -56,7 +56,10 @@ def clamp_max_new_tokens(r: Rollout) -> None:
 def append_model_turn(r: Rollout) -> None:
     """Take the server's ids and logprobs, exactly, into the trajectory (mask 1)."""
     assert r.reply is not None
-    r.traj.append_model_turn(r.reply.ids, r.reply.logprobs, r.reply.top_p, r.reply.weight_version)
+    reply = r.reply
+    start = reply.routed_experts_start_len
+    r.traj.append_model_turn(reply.ids, reply.logprobs, reply.top_p, reply.weight_version,
+                             reply.routed_experts, r.traj.routed_rows if start is None else start)
     r.partial_turn_tokens = 0
     _log_turn(r)
 
@@ -81,6 +84,7 @@ def _log_turn(r: Rollout, appended: bool = True) -> None:
             "finish": reply.finish if reply is not None else None,
             "problem": reply.problem if reply is not None else None,
             "weight_version": reply.weight_version if reply is not None else None,
+            "cached_tokens": reply.stats.get("cached_tokens") if reply is not None else None,
         }
     )
 

@@ -53,6 +53,7 @@ class Rollout:
     sampling_params: dict[str, Any] = attrs.field(factory=dict)
     routing_key: str | None = None  # sent as X-SMG-Routing-Key so a sample's turns share a cache
     allowed_tools: frozenset[str] = frozenset()
+    tool_schemas: dict[str, dict[str, Any]] | None = None  # the sample's own schemas, by tool name
     limit: int | None = None  # most tokens prompt + response may hold
     asked_max_new_tokens: int | None = None  # per-turn cap from sampling_params
     max_new_tokens: int | None = None  # the clamped cap of the next request
@@ -79,12 +80,19 @@ class Rollout:
     violation: str | None = None
     error: str | None = None
     text: str = ""
+    final_text: str = ""  # the model's own tokens after the last observation, decoded (what rewards read)
     weight_versions: list[str] = attrs.field(factory=list)
     turn_log: list[dict[str, Any]] = attrs.field(factory=list)
     tool_stats: dict[str, Any] = attrs.field(factory=dict)
     tool_states: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool
     generation_time: float = 0.0
     tool_time: float = 0.0
+    # Per /generate call, the meta_info counters slime accumulates (cached_tokens, spec_*...).
+    call_stats: list[dict[str, int]] = attrs.field(factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        if self.cfg.expert_row_bytes and not self.traj.expert_row_bytes:
+            self.traj = Trajectory(expert_row_bytes=self.cfg.expert_row_bytes)
 
     def budget_at_end(self) -> int | None:
         """I2's bound. A prompt longer than the budget may end only with an empty response."""

@@ -103,6 +103,7 @@ class RetoolProfile:
     """slime's retool format over a tokenizer."""
 
     name = "retool"
+    default_tools = ("code_interpreter",)  # the example's prompt offers this tool alone
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

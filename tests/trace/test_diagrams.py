@@ -33,7 +33,7 @@ from engine.machine.table import TERMINALS, MachineSpec
 from engine.trace.paths import edge_key, timeline, trace_overlay
 from engine.trace.samples_file import load_samples, select_sample
 from tests.conftest import run
-from tests.support.helpers import SAMPLING, URL, FakeInterpreter, ScriptedServer, encode, make_args, turn
+from tests.support.helpers import retool_schemas, SAMPLING, URL, FakeInterpreter, ScriptedServer, encode, make_args, turn
 from engine.local.sample import Sample
 
 DIAGRAMS = Path(__file__).resolve().parents[2] / "diagrams"
@@ -158,7 +158,7 @@ def test_a_registered_tool_gets_its_own_state() -> None:
 def prompt_length() -> int:
     from engine.profiles.retool import render_retool_prompt
 
-    return len(encode(render_retool_prompt("What is 6*7?", [tools.get(n).schema() for n in tools.names()])))
+    return len(encode(render_retool_prompt("What is 6*7?", retool_schemas())))
 
 
 def as_row(sample: Sample) -> dict[str, Any]:

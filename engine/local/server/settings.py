@@ -41,6 +41,10 @@ class ServerSettings:
     max_running_requests: int = attrs.field(default=64, validator=v.gt(0))
     torch_threads: int = attrs.field(default=1, validator=v.gt(0))
     faults: str | None = attrs.field(default=None, validator=_valid_faults)
+    # Synthetic MoE routing (routing replay tests): layers and top-k of each routed-experts row;
+    # 0 answers no routed experts, like SGLang without --enable-return-routed-experts.
+    routed_experts_layers: int = attrs.field(default=0, validator=v.ge(0))
+    routed_experts_topk: int = attrs.field(default=0, validator=[v.ge(0), v.le(64)])
 
 
 def fault_spec_argument(text: str) -> str:
@@ -67,6 +71,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    parser.add_argument("--routed-experts-layers", type=int, default=0,
+                        help="answer return_routed_experts with synthetic rows of this many layers (0: never)")
+    parser.add_argument("--routed-experts-topk", type=int, default=0, help="experts per layer in each routed row")
     parser.add_argument(
         "--faults", default=None, metavar="SPEC", type=fault_spec_argument,
         help="inject faults into /generate: a preset (default, none) and/or kind=rate pairs, e.g. "
