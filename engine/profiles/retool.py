@@ -122,7 +122,8 @@ class RetoolProfile:
         return "".join(f"\n\n<interpreter>\n{r.text}\n</interpreter>\n\n" for r in results)
 
     def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
-        return self.encode(self.observation_text(turn, results))
+        """The observation as plain text: a special token printed by a tool stays text (issue 14)."""
+        return self.codec.encode_plain(self.observation_text(turn, results))
 
     def encode(self, text: str) -> list[int]:
         return self.codec.encode(text)

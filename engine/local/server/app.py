@@ -102,7 +102,7 @@ async def generate(request: web.Request) -> web.Response:
     latency = time.perf_counter() - started
     routed = (state.settings.routed_experts_layers, state.settings.routed_experts_topk)
     bodies = [build_response(spec, result, weight_version=state.weight_version, e2e_latency=latency,
-                             routed_experts=routed)
+                             routed_experts=routed, top_p_replay=state.settings.top_p_replay)
               for spec, result in zip(specs, results)]
     return _json(bodies if batch else bodies[0])
 

@@ -298,12 +298,14 @@ def _b64_int32(values: list[int]) -> str:
 
 
 def build_response(spec: GenerateSpec, result: GenerationResult, *, weight_version: str,
-                   e2e_latency: float, routed_experts: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+                   e2e_latency: float, routed_experts: tuple[int, int] = (0, 0),
+                   top_p_replay: bool = True) -> dict[str, Any]:
     """The SGLang response object, meta_info keys in SGLang 0.5.23's order.
 
     `routed_experts` is (layers, top-k) of the synthetic router; (0, 0) when the server has none,
     so a request asking for routed experts gets none, like SGLang started without
-    `--enable-return-routed-experts`.
+    `--enable-return-routed-experts`. `top_p_replay=False` ignores slime's top-p replay request,
+    as stock SGLang (without slime's patch) does.
     """
     completion = len(result.output_ids)
     meta: dict[str, Any] = {"id": spec.rid, "finish_reason": result.finish}
@@ -322,7 +324,7 @@ def build_response(spec: GenerateSpec, result: GenerationResult, *, weight_versi
     meta["completion_tokens"] = completion
     if not result.queued_abort:
         meta.update(cached_tokens=0, cached_tokens_details=None, dp_rank=0)
-    if spec.return_top_p and result.top_p is not None:
+    if top_p_replay and spec.return_top_p and result.top_p is not None:
         offsets = [0]
         for kept in result.top_p:
             offsets.append(offsets[-1] + len(kept))

@@ -43,6 +43,8 @@ class ServerSettings:
     faults: str | None = attrs.field(default=None, validator=_valid_faults)
     # Synthetic MoE routing (routing replay tests): layers and top-k of each routed-experts row;
     # 0 answers no routed experts, like SGLang without --enable-return-routed-experts.
+    # Answer slime's custom_params.return_top_p_token_ids (its SGLang patch); False acts like stock SGLang.
+    top_p_replay: bool = True
     routed_experts_layers: int = attrs.field(default=0, validator=v.ge(0))
     routed_experts_topk: int = attrs.field(default=0, validator=[v.ge(0), v.le(64)])
 
@@ -71,6 +73,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    parser.add_argument("--no-top-p-replay", dest="top_p_replay", action="store_false", default=None,
+                        help="ignore custom_params.return_top_p_token_ids, as SGLang without slime's patch")
     parser.add_argument("--routed-experts-layers", type=int, default=0,
                         help="answer return_routed_experts with synthetic rows of this many layers (0: never)")
     parser.add_argument("--routed-experts-topk", type=int, default=0, help="experts per layer in each routed row")
