@@ -203,7 +203,7 @@ def write_sample(
         sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.tool_time
     add_call_stats(sample, r.call_stats)
     if r.reason == "prompt_over_budget" or exhausted:
-        _set(sample, "remove_sample", True)  # slime keeps it in its group, trains none of it
+        sample.remove_sample = True  # slime keeps it in its group, trains none of it
     status = getattr(type(sample), "Status", None)
     state = "FAILED" if exhausted else r.state
     if status is not None and state in status.__members__:
@@ -263,7 +263,7 @@ def write_unrolled(sample: Any, reason: str, error: str, cfg: Any = None, sampli
     sample.response_length = 1
     sample.loss_mask = [0]
     sample.rollout_log_probs = [0.0]
-    _set(sample, "remove_sample", True)
+    sample.remove_sample = True  # set even on a stand-in without the field: it is what matters here
     if cfg is not None and getattr(cfg, "routing_replay", False):
         import numpy as np
 

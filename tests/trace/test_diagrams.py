@@ -196,7 +196,7 @@ def recorded() -> Iterator[dict[str, Sample]]:
         record("trimmed", [turn(CODE_TURN)], output=lambda code: "Output:\n" + "9" * 5000, rollout_max_context_len=prompt_length() + 300)
         record("three_turns", [turn(CODE_TURN), turn(CODE_TURN), turn(ANSWER_TURN)])
         record("invalid", [turn("Let me think about it."), turn(ANSWER_TURN)])
-        record("no_logprobs", [turn(CODE_TURN), turn(ANSWER_TURN, with_logprobs=False)])
+        record("no_logprobs", [turn(CODE_TURN), turn(ANSWER_TURN, with_logprobs=False)], engine_abort_status="aborted")
     yield samples
 
 
