@@ -196,6 +196,11 @@ def write_sample(
     sample.rollout_log_probs = traj.logprobs.tolist()
     _set(sample, "rollout_top_p_token_ids", traj.top_p_ids.tolist() if traj.top_p_ids is not None else None)
     _set(sample, "rollout_top_p_token_offsets", traj.top_p_offsets.tolist() if traj.top_p_offsets is not None else None)
+    if traj.top_p_offsets is None and top_p_asked(r.sampling_params):
+        # slime asked, and no reply carried any (none usable, or none sent): empty spans, which
+        # slime's conversion accepts. Such a sample trains no model token from a reply anyway.
+        _set(sample, "rollout_top_p_token_ids", [])
+        _set(sample, "rollout_top_p_token_offsets", [0] * (traj.response_length + 1))
     if traj.experts is not None:
         _set(sample, "rollout_routed_experts", routed_experts_array(traj.padded_routed_experts() or b"", r))
     _set(sample, "weight_versions", list(r.weight_versions))
@@ -297,6 +302,8 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
     meta["policy_versions"] = len({s.weight_version for s in segments if s.kind == "model"})
     meta["attempt"] = r.attempt
     meta["final_text"] = r.final_text
+    if r.traj.experts is not None:
+        meta["routed_experts_rows"] = r.traj.routed_rows  # from the server; the rest are padding
     if r.resume_rejected:
         meta["checkpoint_rejected"] = r.resume_rejected
     if r.cfg.partial_rollout and r.state == "ABORTED" and r.reason != "invariant_violated":

@@ -346,7 +346,7 @@ def test_a_resumed_sample_lines_up_with_its_restored_turns(fake_interpreter: Fak
     for script in ([turn(CODE_TURN), turn("So the", finish="abort")], [turn(" answer is 42.\nAnswer: \\boxed{42}")]):
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=ScriptedServer(script))
-            run(slime.generate(make_args(partial_rollout=True), sample, dict(SAMPLING)))
+            run(slime.generate(make_args(partial_rollout=True, engine_abort_status="aborted"), sample, dict(SAMPLING)))
     row = as_row(sample)
     assert row["status"] == "completed"
     marked, visited = mermaid_marks(machine_mermaid(spec, trace_overlay(spec, row)), spec)
