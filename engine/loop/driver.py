@@ -136,22 +136,19 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     return "tool_done"
 
 
-ABORT_POLL_SECONDS = 0.2  # how often running tool calls look at the caller's abort flag
-
-
 async def finished_unless_aborted(rt: Runtime, task: asyncio.Future[Any]) -> bool:
     """Wait for `task`; if the caller starts aborting first, cancel it, wait for it, return False."""
+    abort = asyncio.ensure_future(rt.until_abort())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=ABORT_POLL_SECONDS)
-            if done:
-                return True
-            if rt.abort_requested():
-                break
+        await asyncio.wait({task, abort}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         raise
+    finally:
+        abort.cancel()
+    if task.done():
+        return True
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     return False

@@ -24,6 +24,7 @@ from engine.loop.tool_calls import ToolRunner
 
 START_GATE = 32  # prompts rendered per event-loop turn when many samples start at once
 PROMPT_CACHE = 4096
+ABORT_POLL_SECONDS = 0.2  # how soon running tool calls see the caller's abort flag
 
 
 @attrs.define(eq=False)
@@ -41,6 +42,10 @@ class Runtime:
     # gets a say between every few dozen of them instead of after thousands.
     start_gate: asyncio.Semaphore = attrs.field(factory=lambda: asyncio.Semaphore(START_GATE))
     _prompts: OrderedDict[tuple[str, frozenset[str], str, int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
+    # One poller of the abort check for every tool call waiting on it, not a timer per call.
+    _abort_seen: asyncio.Event | None = attrs.field(default=None, init=False)
+    _abort_waiters: int = attrs.field(default=0, init=False)
+    _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
     async def prompt_ids(
         self, prompt: Any, allowed: frozenset[str], own_schemas: dict[str, dict[str, Any]] | None = None
@@ -70,6 +75,31 @@ class Runtime:
     def abort_requested(self) -> bool:
         """Whether samples should stop before their next generation."""
         return bool(self.abort) or (self.abort_check is not None and self.abort_check())
+
+    async def until_abort(self) -> None:
+        """Return once the caller starts aborting (for awaits that must not outlive the step).
+
+        The abort check is a flag to poll (slime's `GenerateState.aborted`); one task per runtime
+        polls it every ABORT_POLL_SECONDS while anything waits here.
+        """
+        if self.abort_requested():
+            return
+        if self._abort_seen is None or self._abort_seen.is_set():  # a new step after an abort
+            self._abort_seen = asyncio.Event()
+        seen = self._abort_seen
+        self._abort_waiters += 1
+        try:
+            if self._abort_poller is None or self._abort_poller.done():
+                self._abort_poller = asyncio.ensure_future(self._poll_abort())
+            await seen.wait()
+        finally:
+            self._abort_waiters -= 1
+
+    async def _poll_abort(self) -> None:
+        while self._abort_waiters > 0:
+            await asyncio.sleep(ABORT_POLL_SECONDS)
+            if self.abort_requested() and self._abort_seen is not None:
+                self._abort_seen.set()
 
     @classmethod
     def create(
