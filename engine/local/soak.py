@@ -209,7 +209,7 @@ class SampleChecker:
         self.budget = rt.cfg.max_context_len
         self.recorder = recorder
         self._prompts: dict[str, list[int]] = {}
-        offered = rt.allowed_tools()  # the profile's default offer (retool: code_interpreter alone)
+        offered = rt.allowed_tools()  # the profile's default offer (retool withholds python_session)
         self._schemas = [tools.get(n).schema() for n in tools.names() if n in offered]  # type: ignore[union-attr]
 
     def prompt_ids(self, prompt: Any) -> list[int]:

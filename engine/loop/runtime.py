@@ -125,16 +125,15 @@ class Runtime:
 
     def allowed_tools(self, requested: Any = None) -> frozenset[str]:
         """The tools a sample is offered: registered ones, narrowed by the settings (`engine_tools`)
-        and by the sample's own list; with neither, by the profile's default (retool offers
-        `code_interpreter` alone, as slime's example does)."""
+        and by the sample's own list; with neither, the profile withholds some built-ins (retool:
+        `python_session`, so its prompt offers `code_interpreter` alone, as slime's example does)."""
         allowed = set(tools.names())
         if self.cfg.tools is not None:
             allowed &= set(self.cfg.tools)
         if requested is not None:
             allowed &= set(requested)
-        default = getattr(self.profile, "default_tools", None)
-        if self.cfg.tools is None and requested is None and default is not None:
-            allowed &= set(default)
+        if self.cfg.tools is None and requested is None:
+            allowed -= set(getattr(self.profile, "withheld_tools", ()))
         return frozenset(allowed)
 
     async def aclose(self) -> None:

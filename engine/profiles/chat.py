@@ -44,7 +44,7 @@ class ChatProfile:
     """Prompts and tool responses rendered by the tokenizer's chat template."""
 
     name = "chat"
-    default_tools = None  # every registered tool
+    withheld_tools = ()  # every registered tool is offered
 
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):

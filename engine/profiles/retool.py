@@ -103,7 +103,10 @@ class RetoolProfile:
     """slime's retool format over a tokenizer."""
 
     name = "retool"
-    default_tools = ("code_interpreter",)  # the example's prompt offers this tool alone
+    # Built-ins not offered unless `engine_tools` (or the sample) names them, so that by default
+    # the prompt offers code_interpreter alone, byte for byte slime's example. Tools of your
+    # own (engine_tool_modules) are offered.
+    withheld_tools = ("python_session",)
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -143,7 +143,7 @@ def slime_prompt_ids() -> list[int]:
     from engine.profiles.retool import RetoolProfile, render_retool_prompt
     import tools as t
 
-    schemas = [t.get(n).schema() for n in t.names() if n in RetoolProfile.default_tools]
+    schemas = [t.get(n).schema() for n in t.names() if n not in RetoolProfile.withheld_tools]
     return encode(render_retool_prompt("What is 6*7?", schemas))
 
 

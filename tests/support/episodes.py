@@ -91,7 +91,7 @@ FINAL_ANSWER = Reply(tuple(encode("Answer: \\boxed{42}")) + (IM_END,))
 
 def prompt_ids(prompt: Any, profile: str = "retool") -> tuple[int, ...]:
     """The prompt's ids in a profile, rendered with the tools registered now (the fake one, in tests)."""
-    offered = [n for n in tools.names() if profile != "retool" or n in RetoolProfile.default_tools]
+    offered = [n for n in tools.names() if profile != "retool" or n not in RetoolProfile.withheld_tools]
     schemas = [tools.get(n).schema() for n in offered]  # type: ignore[union-attr]
     return _rendered(json.dumps(prompt, ensure_ascii=False), json.dumps(schemas), profile)
 

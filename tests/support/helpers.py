@@ -17,10 +17,10 @@ IM_END = 151645
 
 
 def retool_schemas() -> list[dict[str, Any]]:
-    """The tool schemas a retool prompt shows by default (code_interpreter alone, as slime's example)."""
+    """The tool schemas a retool prompt shows by default (built-ins but code_interpreter withheld)."""
     from engine.profiles.retool import RetoolProfile
 
-    return [tools.get(n).schema() for n in tools.names() if n in RetoolProfile.default_tools]  # type: ignore[union-attr]
+    return [tools.get(n).schema() for n in tools.names() if n not in RetoolProfile.withheld_tools]  # type: ignore[union-attr]
 
 
 def tok() -> Any:
