@@ -175,7 +175,7 @@ class Trajectory:
         """
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} ids but {len(logprobs)} logprobs")
-        if self.experts is not None:
+        if self.experts is not None and (ids or experts is not None):
             self._check_expert_rows(len(ids), experts, experts_start)
         if top_p is not None:
             kept, offsets = top_p

@@ -112,8 +112,8 @@ def require_routed_experts(reply: Reply, *, sequence_length: int, start: int, ro
     `sequence_length` is the request's input plus the reply's ids; rows cover every token but
     the last (`[start, sequence_length - 1)`), as SGLang's `routed_experts_start_len` defines.
     """
-    if reply.problem is not None:
-        return reply
+    if reply.problem is not None or (reply.routed_experts is None and not reply.ids):
+        return reply  # no token to append, so no row is needed (an abort in the waiting queue)
     expected = max(0, sequence_length - 1 - start)
     echoed = reply.routed_experts_start_len
     data = reply.routed_experts

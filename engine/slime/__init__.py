@@ -81,10 +81,10 @@ async def run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
                                routing_key=inp.routing_key, tools_requested=inp.tool_names,
                                tool_schemas=inp.tool_schemas)
 
-        outcome = await run_attempts(rt, make, on_start=lambda r: current.__setitem__(slice(None), [r]))
+        outcome = await run_attempts(rt, make, on_start=current.append)
     except asyncio.CancelledError:
         if current:
-            write_sample(sample, current[0])
+            write_sample(sample, current[-1])  # the attempt in flight
         raise
     except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
         log.exception("engine adapter failed on a sample")

@@ -195,3 +195,12 @@ def test_top_p_asked_and_missing_is_unusable(tmp_path: Path) -> None:
     assert sample.status == Sample.Status.FAILED and sample.remove_sample
     generate_and_rm(None, sample)
     train_view(sample, top_p_asked=True)  # empty spans: slime's conversion accepts it, trains none of it
+
+
+def test_an_abort_in_the_waiting_queue_needs_no_rows(fake: FakeInterpreter) -> None:
+    """SGLang's queued abort has no tokens and no routed experts: still server_aborted, not a mismatch."""
+    sample = Sample(prompt=QUESTION, label="3")
+    queued = httpx.Response(200, json=reply_body([], finish="abort"))
+    scripted(sample, [r3_reply(TURNS[0]), queued], partial_rollout=True, engine_abort_status="aborted")
+    assert sample.metadata["fsm"]["termination_reason"] == "server_aborted"
+    check_rows(sample)
