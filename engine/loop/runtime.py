@@ -53,10 +53,12 @@ class Runtime:
         """The rendered prompt's ids. Cached: the samples of a GRPO group share one prompt.
 
         `own_schemas` are the sample's own tool schemas (slime's `--tool-key`), shown instead of
-        the registered ones for the tools they name. Every start passes the gate and yields once:
+        the registered ones for the tools they name by a profile that renders them (chat). Every start passes the gate and yields once:
         thousands of samples started together would otherwise each run to their first request in
         a single event-loop turn.
         """
+        if not getattr(self.profile, "renders_sample_schemas", False):
+            own_schemas = None  # retool shows the example's tool spec, whatever the dataset says
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
         own = json.dumps(own_schemas, sort_keys=True, default=str) if own_schemas else ""
         key = (text, allowed, own, tools.registry.version())  # a re-registered tool may change its schema

@@ -45,6 +45,7 @@ class ChatProfile:
 
     name = "chat"
     withheld_tools = ()  # every registered tool is offered
+    renders_sample_schemas = True  # a dataset's own tool schemas (slime's --tool-key) are shown as given
 
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):

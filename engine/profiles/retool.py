@@ -107,6 +107,7 @@ class RetoolProfile:
     # the prompt offers code_interpreter alone, byte for byte slime's example. Tools of your
     # own (engine_tool_modules) are offered.
     withheld_tools = ("python_session",)
+    renders_sample_schemas = False  # the example always shows its own tool spec
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

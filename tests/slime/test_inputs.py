@@ -45,6 +45,7 @@ def test_tool_schemas_from_the_dataset_offer_the_tools_they_name() -> None:
     sample, server = generate(Sample(prompt="Q", metadata={"tools": [SCHEMA]}))
     assert sample.status == Sample.Status.COMPLETED
     assert '"name": "code_interpreter"' in prompt_text(server)
+    assert "Runs the dataset's own Python." not in prompt_text(server)  # retool shows the example's spec
     assert "tools_unavailable" not in sample.metadata["fsm"]
     assert sample.metadata["tools"] == [SCHEMA]  # the user's metadata is left as it was
 
