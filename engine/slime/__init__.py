@@ -21,7 +21,7 @@ import weakref
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.loop.attempts import Outcome, run_attempts
+from engine.loop.attempts import run_attempts
 from engine.loop.driver import new_rollout
 from engine.profiles.reward import retool_score
 from engine.machine.rollout import Rollout
@@ -63,13 +63,10 @@ async def run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
     try:
         inp = read_input(sample, sampling_params)
     except BadInput as exc:
-        write_unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params)
-        return sample
+        return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params)
     except Exception as exc:  # a sample object whose attributes raise
-        write_unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
-        return sample
+        return _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
     current: list[Rollout] = []
-    outcome: Outcome | None = None
     try:
         saved = read_checkpoint(sample) if rt.cfg.partial_rollout else None
         clear_sample(sample)  # an earlier attempt's fields are gone before anything new is written (I5)
@@ -88,8 +85,7 @@ async def run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
         raise
     except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
         log.exception("engine adapter failed on a sample")
-        write_unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
-        return sample
+        return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
     try:
         write_sample(sample, outcome.rollout, attempts=outcome.attempts, exhausted=outcome.exhausted)
         unserved = sorted((inp.tool_names or frozenset()) - offered)
@@ -97,7 +93,16 @@ async def run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
             sample.metadata["fsm"]["tools_unavailable"] = unserved
     except Exception as exc:
         log.exception("engine adapter failed writing a sample")
-        write_unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
+        _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
+    return sample
+
+
+def _unrolled(sample: Any, reason: str, error: str, cfg: EngineConfig | None, sampling_params: Any) -> Any:
+    """End a sample that never finished the machine; a sample that cannot even be written is logged."""
+    try:
+        write_unrolled(sample, reason, error, cfg, sampling_params)
+    except Exception:  # the sample refuses its fields: nothing more can be done than to say so
+        log.exception("could not write the outcome (%s: %s) into the sample", reason, error)
     return sample
 
 
@@ -112,8 +117,7 @@ async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: boo
         rt = runtime_for(cfg)
     except Exception as exc:  # settings or tokenizer unusable: every sample says so, none crashes
         _log_setup_failure(exc)
-        write_unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params)
-        return sample
+        return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params)
     return await run_sample(rt, sample, sampling_params)
 
 

@@ -158,3 +158,13 @@ def test_every_reason_these_inputs_end_with_is_in_the_reason_table() -> None:
     for reason in ("bad_sample_input", "engine_setup_failed", "attempts_exhausted", "top_p_replay_missing",
                    "routed_experts_mismatch"):
         assert reason in REASON_STATUS
+
+
+def test_a_sample_that_refuses_its_fields_still_raises_nothing() -> None:
+    class Frozen:
+        prompt = None
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            raise AttributeError("read-only sample")
+
+    generate(Frozen())  # bad input, and the outcome cannot be written: logged, not raised
