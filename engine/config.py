@@ -195,6 +195,9 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
     Setting("engine_retry_max_delay", float, 16.0, "longest backoff", low=0, high=3600),
     Setting("engine_gc_freeze", bool, True, "gc.freeze() long-lived objects once at start-up"),
+    Setting("engine_abort_status", str, "retry", "a sample whose attempt failed: re-run it (retry), or hand ABORTED back at once (aborted, for a caller that re-queues)", choices=("retry", "aborted")),
+    Setting("engine_sample_attempts", int, 3, "attempts of one sample before it ends FAILED with remove_sample", low=1, high=1000),
+    Setting("engine_sample_deadline", float, 1800.0, "seconds after which no new attempt of a sample starts", low=0, high=7 * DAY, above_low=True),
     # slime's own arguments that the engine reads
     Setting("sglang_router_ip", str, None, "slime's router address"),
     Setting("sglang_router_port", int, None, "slime's router port", low=1, high=65535),
@@ -207,6 +210,9 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("partial_rollout", bool, False, "resume aborted samples from their checkpoint"),
     Setting("mask_offpolicy_in_partial_rollout", bool, False, "mask tokens of older weights on resume"),
     Setting("hf_checkpoint", str, None, "model directory; its tokenizer is used"),
+    Setting("use_rollout_routing_replay", bool, False, "routing replay (R3): ask for routed experts every turn"),
+    Setting("num_layers", int, 0, "the model's layers (rows of routed experts per token)", low=0, high=100_000),
+    Setting("moe_router_topk", int, 0, "experts per token (columns of routed experts)", low=0, high=100_000),
 )}
 
 ENGINE_PREFIX = "engine_"
@@ -307,6 +313,26 @@ class EngineConfig:
     mask_offpolicy: bool = False
     tokenizer_path: str | None = None
     gc_freeze: bool = True  # see engine.loop.runtime.freeze_long_lived_objects
+    # What a sample that cannot finish hands back (see engine.loop.attempts): "retry" re-runs it
+    # from RESET up to `sample_attempts` times within `sample_deadline` seconds, then ends it
+    # FAILED with remove_sample; "aborted" hands ABORTED back at once, for a caller that re-queues.
+    abort_status: str = attrs.field(default="retry", validator=v.in_(("retry", "aborted")))
+    sample_attempts: int = attrs.field(default=3, validator=_positive)
+    sample_deadline: float = attrs.field(default=1800.0, validator=_positive)
+    # Routing replay (R3): ask for routed experts each turn; a row is num_layers x moe_router_topk int32.
+    routing_replay: bool = False
+    num_layers: int = attrs.field(default=0, validator=_non_negative)
+    moe_router_topk: int = attrs.field(default=0, validator=_non_negative)
+    fully_async: bool = False  # slime's fully-async worker is the caller: it re-queues ABORTED groups
+
+    def __attrs_post_init__(self) -> None:
+        if self.routing_replay and not (self.num_layers and self.moe_router_topk):
+            raise ValueError("routing replay needs num_layers and moe_router_topk (slime args) to be set")
+
+    @property
+    def expert_row_bytes(self) -> int:
+        """Bytes of one token's routed experts (int32 per layer and top-k slot); 0 without R3."""
+        return 4 * self.num_layers * self.moe_router_topk if self.routing_replay else 0
 
     def context_limit(self, prompt_length: int) -> int | None:
         """The most tokens prompt + response may hold for a prompt of this length."""
@@ -376,7 +402,20 @@ class EngineConfig:
             mask_offpolicy=get("mask_offpolicy_in_partial_rollout"),
             tokenizer_path=get("hf_checkpoint"),
             gc_freeze=get("engine_gc_freeze"),
+            abort_status=get("engine_abort_status"),
+            sample_attempts=get("engine_sample_attempts"),
+            sample_deadline=get("engine_sample_deadline"),
+            routing_replay=get("use_rollout_routing_replay"),
+            num_layers=get("num_layers"),
+            moe_router_topk=get("moe_router_topk"),
+            fully_async=is_fully_async(args),
         )
+
+
+def is_fully_async(args: Any) -> bool:
+    """Whether slime's fully-async rollout worker drives generate (it re-queues ABORTED groups)."""
+    path = getattr(args, "rollout_function_path", None)
+    return isinstance(path, str) and "fully_async" in path
 
 
 # -- the YAML of --custom-config-path --------------------------------------------------------

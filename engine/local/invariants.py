@@ -36,7 +36,16 @@ REASON_STATUS: dict[str, str] = {
     "request_failed": "ABORTED",
     "abort_requested": "ABORTED",  # slime's abort flag, seen between turns
     "request_rejected": "FAILED",
+    "top_p_replay_missing": "ABORTED",  # top-p replay asked for (custom_params), not sent
+    "routed_experts_mismatch": "ABORTED",  # routing replay rows missing or not one per token
+    "attempts_exhausted": "FAILED",  # no attempt finished (engine.loop.attempts); remove_sample
+    "bad_sample_input": "FAILED",  # never reached the machine: prompt, tools or sampling params unusable
+    "engine_setup_failed": "FAILED",  # never reached the machine: settings or tokenizer unusable
 }
+# Reasons of samples that never reached the machine: no trace.
+UNROLLED_REASONS = frozenset({"bad_sample_input", "engine_setup_failed"})
+# A sample no attempt finished ends FAILED, its trace (the last attempt's) at ABORTED.
+EXHAUSTED = "attempts_exhausted"
 # Reasons that are legal for the machine but mean a bug when seen in a test or a soak.
 BUG_REASONS = frozenset({"crashed", "cancelled", "invariant_violated"})
 TRIMMED_REPLY = "reply_over_budget"  # the only reason whose TRIM may cut into a model turn
@@ -144,8 +153,12 @@ def _i6(sample: Any, reason: str | None) -> list[str]:
     if metadata.get("invariant_violation"):
         out.append(f"I6: the engine recorded a violation: {metadata['invariant_violation']}")
     trace = [tuple(edge) for edge in metadata.get("trace") or []]
-    if not trace or trace[0][0] != "RESET" or trace[-1][2] != status:
-        out.append(f"I6: trace does not lead from RESET to {status}: {trace[:1]}...{trace[-1:]}")
+    end = "ABORTED" if reason == EXHAUSTED else status
+    if reason in UNROLLED_REASONS:
+        if trace:
+            out.append(f"I6: {reason} but the sample has a trace")
+    elif not trace or trace[0][0] != "RESET" or trace[-1][2] != end:
+        out.append(f"I6: trace does not lead from RESET to {end}: {trace[:1]}...{trace[-1:]}")
     elif any(a[2] != b[0] for a, b in zip(trace, trace[1:])):
         out.append("I6: trace is not a connected path")
     elif any(edge[2] in TERMINALS for edge in trace[:-1]):

@@ -356,9 +356,7 @@ def embedded_server(plan: Plan) -> Iterator[str]:
 async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
     """Run every pending sample; append each finished one to `out_path` as it ends. Returns the retries."""
     from engine.loop.runtime import Runtime
-    from engine.profiles.reward import retool_score
-    from engine.slime import run_sample
-    from engine.slime.sample_io import engine_metadata
+    from engine.slime import reward_func, run_sample
 
     rt = Runtime.create(cfg, tokenizer=plan.tokenizer)
     gate = asyncio.Semaphore(cfg.max_connections)
@@ -379,8 +377,7 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
             async with gate:
                 await run_sample(rt, sample, dict(plan.params))
                 if sample.status.name in ("COMPLETED", "TRUNCATED", "FAILED"):
-                    calls = int(engine_metadata(sample).get("tool_stats", {}).get("calls", 0))
-                    sample.reward = retool_score(sample.response, sample.label, calls)
+                    sample.reward = await reward_func(None, sample)
             emit(sample)
 
         for sample in plan.samples:

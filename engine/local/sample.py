@@ -24,7 +24,7 @@ class SpecInfo:
     spec_verify_ct: int = 0
     completion_token_num: int = 0
 
-    def add(self, meta_info: dict[str, Any], response_length: int) -> None:
+    def add(self, meta_info: dict[str, Any]) -> None:
         """Accumulate one `/generate` reply's `meta_info`, as slime's does."""
         self.spec_accept_token_num += int(meta_info.get("spec_accept_token_num", 0) or 0)
         self.spec_draft_token_num += int(meta_info.get("spec_draft_token_num", 0) or 0)

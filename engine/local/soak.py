@@ -86,10 +86,18 @@ class WireRecorder:
     """An httpx response hook: the usable `/generate` replies each sample got, in order."""
 
     replies: dict[str, list[tuple[list[int], list[float]]]] = attrs.Factory(lambda: collections.defaultdict(list))
+    prompt_lengths: dict[str, int] = attrs.Factory(dict)
 
     async def __call__(self, response: httpx.Response) -> None:
         key = response.request.headers.get(ROUTING_HEADER)
-        if key is None or response.status_code != 200 or not response.request.url.path.endswith("/generate"):
+        if key is None or not response.request.url.path.endswith("/generate"):
+            return
+        sent = len(json.loads(response.request.content).get("input_ids") or [])
+        if sent <= self.prompt_lengths.setdefault(key, sent):
+            # A request from the bare prompt: the engine re-runs the sample from RESET (a new
+            # attempt), so only the replies from here on can be in the sample.
+            self.replies[key].clear()
+        if response.status_code != 200:
             return
         reply = usable_reply(await response.aread())  # read once; the client then reuses the bytes
         if reply is not None:
@@ -224,7 +232,8 @@ class SampleChecker:
         self.budget = rt.cfg.max_context_len
         self.recorder = recorder
         self._prompts: dict[str, list[int]] = {}
-        self._schemas = [tools.get(n).schema() for n in tools.names()]  # type: ignore[union-attr]
+        offered = rt.allowed_tools()  # the profile's default offer (retool withholds python_session)
+        self._schemas = [tools.get(n).schema() for n in tools.names() if n in offered]  # type: ignore[union-attr]
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         key = json.dumps(prompt, ensure_ascii=False)

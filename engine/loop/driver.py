@@ -23,7 +23,7 @@ from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
 from engine.machine.states import TERMINALS, State, Trigger
 from engine.machine.table import RolloutMachine, get_machine
 from engine.machine.trajectory import InvariantViolation
-from engine.sglang.wire import Failure
+from engine.sglang.wire import Failure, Reply, require_routed_experts, require_top_p, top_p_asked
 
 StateStep = Callable[[Runtime, Rollout], Awaitable[str]]
 FAILURE_TRIGGERS = {
@@ -39,11 +39,11 @@ class NoEdge(RuntimeError):
 
 async def step_reset(rt: Runtime, r: Rollout) -> str:
     """Render the prompt; with a partial-rollout checkpoint, validate it against the prompt."""
-    r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools)
+    r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools, r.inputs.tool_schemas)
     saved = r.inputs.saved
     if not (r.cfg.partial_rollout and saved is not None):
         return Trigger.START
-    restored = checkpoint.validate(saved, r.prompt_ids, r.cfg.mask_offpolicy)
+    restored = checkpoint.validate(saved, r.prompt_ids, r.cfg.mask_offpolicy, r.cfg.expert_row_bytes)
     if isinstance(restored, str):
         r.resume_rejected = restored
     else:
@@ -58,14 +58,19 @@ async def step_reset(rt: Runtime, r: Rollout) -> str:
 async def step_generate(rt: Runtime, r: Rollout) -> str:
     """One `/generate` request; the reply's text is decoded once and parsed."""
     started = time.perf_counter()
+    input_ids = r.traj.input_ids()
+    experts_start = r.traj.routed_rows if r.traj.experts is not None else None
     outcome = await rt.client.generate(
-        r.traj.input_ids(), r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key
+        input_ids, r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key,
+        routed_experts_start=experts_start,
     )
     r.record.generation_time += time.perf_counter() - started
     if isinstance(outcome, Failure):
         r.turn = TurnScratch()
         r.record.error = f"{outcome.kind}: {outcome.message}"
         return FAILURE_TRIGGERS[outcome.kind]
+    outcome = check_reply(r, outcome, len(input_ids), experts_start)
+    r.record.call_stats.append(outcome.stats)
     r.turn = TurnScratch(reply=outcome)
     if outcome.problem is None:
         # A resumed turn continues the tokens it had: parse the whole turn, not the tail.
@@ -75,6 +80,17 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
     else:
         r.record.error = f"{outcome.problem}: {outcome.problem_detail}"
     return Trigger.REPLY
+
+
+def check_reply(r: Rollout, reply: Reply, input_length: int, experts_start: int | None) -> Reply:
+    """What this request asked for and the parser cannot know: top-p replay, routed-expert rows."""
+    if top_p_asked(r.inputs.sampling_params):
+        reply = require_top_p(reply)
+    if experts_start is not None:
+        reply = require_routed_experts(
+            reply, sequence_length=input_length + len(reply.ids), start=experts_start, row_bytes=r.traj.expert_row_bytes
+        )
+    return reply
 
 
 async def step_tool_call(rt: Runtime, r: Rollout) -> str:
@@ -103,12 +119,38 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     started = time.perf_counter()
     if name not in r.tool_sessions:
         r.tool_sessions[name] = await tool.create()
-    results = await asyncio.gather(*(rt.tool_runner.call(tool, r.tool_sessions[name], c) for c in mine))
+    running = asyncio.ensure_future(asyncio.gather(*(rt.tool_runner.call(tool, r.tool_sessions[name], c) for c in mine)))
+    if not await finished_unless_aborted(rt, running):
+        # The caller is ending the step: cut the calls (cancelling a sandboxed run kills its
+        # process) and end resumable, so the caller's abort() does not wait on them.
+        r.record.tools.seconds += time.perf_counter() - started
+        r.record.error = f"abort requested while {name} ran"
+        r.stop_because("abort_requested")
+        return Trigger.CANCELLED
+    results = running.result()
     elapsed = time.perf_counter() - started
     r.record.tools.calls += len(results)
     r.record.tools.seconds += elapsed
     r.turn.results.extend(results)
     return Trigger.TOOL_DONE
+
+
+async def finished_unless_aborted(rt: Runtime, task: asyncio.Future[Any]) -> bool:
+    """Wait for `task`; if the caller starts aborting first, cancel it, wait for it, return False."""
+    abort = asyncio.ensure_future(rt.until_abort())
+    try:
+        await asyncio.wait({task, abort}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    finally:
+        abort.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return False
 
 
 STEPS: dict[str, StateStep] = {
@@ -199,6 +241,16 @@ def finish(rt: Runtime, r: Rollout, machine: RolloutMachine, text: IncrementalTe
         if r.state != State.ABORTED:
             _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)
         r.text = rt.profile.decode(r.traj.response_ids.tolist())
+    r.final_text = final_model_text(rt, r)
+
+
+def final_model_text(rt: Runtime, r: Rollout) -> str:
+    """The model's own last words: its tokens after the last observation, never tool output."""
+    start = next((s.end for s in reversed(r.traj.segments) if s.kind == "observation"), 0)
+    if start == 0:
+        return r.text
+    ids = r.traj.response_ids[start:].tolist()
+    return rt.profile.decode(ids) if ids else ""
 
 
 async def release_tool_sessions(r: Rollout) -> None:
@@ -221,6 +273,7 @@ def new_rollout(
     tools_requested: Any = None,
     routing_key: str | None = None,
     saved: Saved | None = None,
+    tool_schemas: dict[str, dict[str, Any]] | None = None,
 ) -> Rollout:
     """A rollout at RESET for a prompt. `tools_requested` narrows the tools (a sample's own list)."""
     params = dict(sampling_params)  # the caller's dict is never changed (slime shares one in evaluation)
@@ -232,6 +285,7 @@ def new_rollout(
         asked_max_new_tokens=None if asked is None else int(asked),
         routing_key=routing_key,
         allowed_tools=rt.allowed_tools(tools_requested),
+        tool_schemas=tool_schemas,
         abort_check=rt.abort_requested,
         saved=saved,
     )

@@ -24,6 +24,7 @@ from engine.loop.tool_calls import ToolRunner
 
 START_GATE = 32  # prompts rendered per event-loop turn when many samples start at once
 PROMPT_CACHE = 4096
+ABORT_POLL_SECONDS = 0.2  # how soon running tool calls see the caller's abort flag
 
 
 @attrs.define(eq=False)
@@ -40,21 +41,33 @@ class Runtime:
     # Samples starting in one burst take turns rendering their prompts, so the event loop
     # gets a say between every few dozen of them instead of after thousands.
     start_gate: asyncio.Semaphore = attrs.field(factory=lambda: asyncio.Semaphore(START_GATE))
-    _prompts: OrderedDict[tuple[str, frozenset[str], int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
+    _prompts: OrderedDict[tuple[str, frozenset[str], str, int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
+    # One poller of the abort check for every tool call waiting on it, not a timer per call.
+    _abort_seen: asyncio.Event | None = attrs.field(default=None, init=False)
+    _abort_waiters: int = attrs.field(default=0, init=False)
+    _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
-    async def prompt_ids(self, prompt: Any, allowed: frozenset[str]) -> list[int]:
+    async def prompt_ids(
+        self, prompt: Any, allowed: frozenset[str], own_schemas: dict[str, dict[str, Any]] | None = None
+    ) -> list[int]:
         """The rendered prompt's ids. Cached: the samples of a GRPO group share one prompt.
 
-        Every start passes the gate and yields once: thousands of samples started together
-        would otherwise each run to their first request in a single event-loop turn.
+        `own_schemas` are the sample's own tool schemas (slime's `--tool-key`), shown instead of
+        the registered ones for the tools they name by a profile that renders them (chat). Every start passes the gate and yields once:
+        thousands of samples started together would otherwise each run to their first request in
+        a single event-loop turn.
         """
+        if not getattr(self.profile, "renders_sample_schemas", False):
+            own_schemas = None  # retool shows the example's tool spec, whatever the dataset says
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
-        key = (text, allowed, tools.registry.version())  # a re-registered tool may change its schema
+        own = json.dumps(own_schemas, sort_keys=True, default=str) if own_schemas else ""
+        key = (text, allowed, own, tools.registry.version())  # a re-registered tool may change its schema
         async with self.start_gate:
             await asyncio.sleep(0)
             ids = self._prompts.get(key)
             if ids is None:
-                ids = self._prompts[key] = tuple(self.profile.render_prompt(prompt, self.tool_schemas(allowed)))
+                schemas = self.tool_schemas(allowed, own_schemas)
+                ids = self._prompts[key] = tuple(self.profile.render_prompt(prompt, schemas))
                 if len(self._prompts) > PROMPT_CACHE:
                     self._prompts.popitem(last=False)
             else:
@@ -64,6 +77,31 @@ class Runtime:
     def abort_requested(self) -> bool:
         """Whether samples should stop before their next generation."""
         return bool(self.abort) or (self.abort_check is not None and self.abort_check())
+
+    async def until_abort(self) -> None:
+        """Return once the caller starts aborting (for awaits that must not outlive the step).
+
+        The abort check is a flag to poll (slime's `GenerateState.aborted`); one task per runtime
+        polls it every ABORT_POLL_SECONDS while anything waits here.
+        """
+        if self.abort_requested():
+            return
+        if self._abort_seen is None or self._abort_seen.is_set():  # a new step after an abort
+            self._abort_seen = asyncio.Event()
+        seen = self._abort_seen
+        self._abort_waiters += 1
+        try:
+            if self._abort_poller is None or self._abort_poller.done():
+                self._abort_poller = asyncio.ensure_future(self._poll_abort())
+            await seen.wait()
+        finally:
+            self._abort_waiters -= 1
+
+    async def _poll_abort(self) -> None:
+        while self._abort_waiters > 0:
+            await asyncio.sleep(ABORT_POLL_SECONDS)
+            if self.abort_requested() and self._abort_seen is not None:
+                self._abort_seen.set()
 
     @classmethod
     def create(
@@ -79,17 +117,24 @@ class Runtime:
         client = SGLangClient(cfg.server_url, http, cfg.retry)
         return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg), abort_check=abort_check)
 
-    def tool_schemas(self, allowed: frozenset[str]) -> list[dict[str, Any]]:
-        """The schemas shown in the prompt, in registry order."""
-        return [tools.get(n).schema() for n in tools.names() if n in allowed]  # type: ignore[union-attr]
+    def tool_schemas(
+        self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The schemas shown in the prompt, in registry order; a sample's own schema where it gave one."""
+        own = own or {}
+        return [own.get(n) or tools.get(n).schema() for n in tools.names() if n in allowed]  # type: ignore[union-attr]
 
     def allowed_tools(self, requested: Any = None) -> frozenset[str]:
-        """Registered tools, narrowed by the settings and by a sample's own list."""
+        """The tools a sample is offered: registered ones, narrowed by the settings (`engine_tools`)
+        and by the sample's own list; with neither, the profile withholds some built-ins (retool:
+        `python_session`, so its prompt offers `code_interpreter` alone, as slime's example does)."""
         allowed = set(tools.names())
         if self.cfg.tools is not None:
             allowed &= set(self.cfg.tools)
         if requested is not None:
             allowed &= set(requested)
+        if self.cfg.tools is None and requested is None:
+            allowed -= set(getattr(self.profile, "withheld_tools", ()))
         return frozenset(allowed)
 
     async def aclose(self) -> None:

@@ -54,7 +54,9 @@ def append_model_turn(r: Rollout) -> None:
     """Take the server's ids and logprobs, exactly, into the trajectory (mask 1)."""
     reply = r.turn.reply
     assert reply is not None
-    r.traj.append_model_turn(reply.ids, reply.logprobs, reply.top_p, reply.weight_version)
+    start = reply.routed_experts_start_len
+    r.traj.append_model_turn(reply.ids, reply.logprobs, reply.top_p, reply.weight_version,
+                             reply.routed_experts, r.traj.routed_rows if start is None else start)
     r.partial_turn_tokens = 0
     _log_turn(r)
 
@@ -80,6 +82,7 @@ def _log_turn(r: Rollout, appended: bool = True) -> None:
             "finish": reply.finish if reply is not None else None,
             "problem": reply.problem if reply is not None else None,
             "weight_version": reply.weight_version if reply is not None else None,
+            "cached_tokens": reply.stats.get("cached_tokens") if reply is not None else None,
         }
     )
 

@@ -4,7 +4,10 @@ With slime's `--partial-rollout`, an aborted sample comes back later with the to
 had. The checkpoint (`sample.metadata["fsm"]["checkpoint"]`) says what those tokens are:
 prompt and response lengths, fingerprints of the prompt ids and of the response ids and
 logprobs, the segments (model turn / observation) with the weight version of each model
-turn, and where to continue (generate, or re-run the tool calls a turn asked for). A
+turn, and where to continue (generate, or re-run the tool calls a turn asked for). With routing
+replay it also counts and fingerprints the routed-expert rows that came from the server (the
+sample holds them padded to one per token but the last; the padding is dropped on resume, so
+the next request asks the server for the real rows of those tokens). A
 checkpoint that does not match the sample's fields in every respect is not trusted: the
 sample restarts from RESET, so tokens that do not belong together are never stitched.
 
@@ -26,10 +29,10 @@ from engine.machine.trajectory import Segment, Trajectory
 VERSION = 1
 
 
-def _sha(*parts: array) -> str:
+def _sha(*parts: array | bytes | bytearray) -> str:
     h = hashlib.sha256()
     for part in parts:
-        h.update(part.tobytes())
+        h.update(part.tobytes() if isinstance(part, array) else bytes(part))
     return h.hexdigest()[:32]
 
 
@@ -72,10 +75,24 @@ def make_checkpoint(r: Rollout, tool_states: frozenset[str]) -> dict[str, Any]:
         "tool_calls": r.tool_calls_before_turn if at == "tools" else r.tool_call_count,
         "turn_log": list(r.record.turn_log),
         "attempt": r.attempt,
+        **({"routed_rows": t.routed_rows, "experts_sha": _sha(t.experts)} if t.experts is not None else {}),
     }
 
 
-def validate(saved: Saved, prompt_ids: list[int], mask_offpolicy: bool) -> Restored | str:
+def _restored_experts(saved: Saved, cp: dict[str, Any], row_bytes: int, n_tokens: int) -> bytes | str:
+    """The server's routed-expert rows the checkpoint vouches for, or why they are not trusted."""
+    if "routed_rows" not in cp:
+        return "the checkpoint has no routed experts"
+    rows, data = int(cp["routed_rows"]), saved.routed_experts
+    if data is None or not 0 <= rows <= max(0, n_tokens - 1) or len(data) < rows * row_bytes:
+        return "routed experts do not cover the checkpoint's rows"
+    real = data[: rows * row_bytes]
+    if _sha(real) != cp["experts_sha"]:
+        return "routed experts were changed"
+    return real
+
+
+def validate(saved: Saved, prompt_ids: list[int], mask_offpolicy: bool, expert_row_bytes: int = 0) -> Restored | str:
     """The restored trajectory, or the reason the checkpoint is not trusted."""
     cp = saved.checkpoint
     if not isinstance(cp, dict) or cp.get("version") != VERSION:
@@ -108,7 +125,13 @@ def validate(saved: Saved, prompt_ids: list[int], mask_offpolicy: bool) -> Resto
             return "unknown resume point"
         if top_p and len(top_p[1]) != n_resp + 1:
             return "top-p replay does not span the response"
-        traj = Trajectory.restore(prompt_ids, ids, lps, array("b", mask), segments, top_p or None)
+        experts = None
+        if expert_row_bytes:
+            experts = _restored_experts(saved, cp, expert_row_bytes, n_prompt + n_resp)
+            if isinstance(experts, str):
+                return experts
+        traj = Trajectory.restore(prompt_ids, ids, lps, array("b", mask), segments, top_p or None,
+                                  experts, expert_row_bytes)
         if mask_offpolicy:
             traj.mask_tokens_before(n_resp)  # slime may have done it already; doing it twice is harmless
         return Restored(traj, at, int(cp["partial_turn_tokens"]), int(cp["turns"]), int(cp["tool_calls"]),

@@ -41,6 +41,7 @@ class Saved:
     logprobs: list[float]
     top_p_ids: Any = None
     top_p_offsets: Any = None
+    routed_experts: bytes | None = None  # int32 bytes of the sample's rows (padded), None when absent
 
 
 @attrs.frozen
@@ -53,6 +54,7 @@ class Inputs:
     asked_max_new_tokens: int | None = None  # the per-turn cap the sampling params ask for
     routing_key: str | None = None  # sent as X-SMG-Routing-Key so a sample's turns share a cache
     allowed_tools: frozenset[str] = frozenset()
+    tool_schemas: dict[str, dict[str, Any]] | None = None  # the sample's own schemas, by tool name
     abort_check: Callable[[], bool] = _never  # cooperative abort (the caller's flag, the runtime's signal)
     saved: Saved | None = None  # partial rollout: what an earlier attempt left on the sample
 
@@ -103,6 +105,8 @@ class Record:
     weight_versions: list[str] = attrs.field(factory=list)
     tools: ToolStats = attrs.field(factory=ToolStats)
     generation_time: float = 0.0
+    # Per /generate call, the meta_info counters slime accumulates (cached_tokens, spec_*...).
+    call_stats: list[dict[str, int]] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -134,12 +138,17 @@ class Rollout:
     turn: TurnScratch = attrs.field(factory=TurnScratch)
     record: Record = attrs.field(factory=Record)
     text: str = ""  # the response text, kept equal to decode(response ids)
+    final_text: str = ""  # the model's own tokens after the last observation, decoded (what rewards read)
     tool_sessions: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool name
     # Partial rollout: what RESET made of the caller's checkpoint, and how far the last turn got.
     resume: Restored | None = None
     resume_rejected: str | None = None
     partial_turn_tokens: int = 0
     attempt: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.cfg.expert_row_bytes and not self.traj.expert_row_bytes:
+            self.traj = Trajectory(expert_row_bytes=self.cfg.expert_row_bytes)
 
     @property
     def cfg(self) -> EngineConfig:

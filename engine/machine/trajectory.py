@@ -1,13 +1,19 @@
 """The per-token arrays of one sample, kept aligned by construction.
 
-`Trajectory` is the only owner of the response ids, rollout logprobs, loss mask and
-the optional top-p replay arrays. Every change goes through one of its methods
+`Trajectory` is the only owner of the response ids, rollout logprobs, loss mask, the
+optional top-p replay arrays and the optional routed experts (routing replay, R3). Every change goes through one of its methods
 (`reset`, `append_model_turn`, `append_observation`, `trim`, `mask_tokens_before`), each
 of which moves all arrays together, so no other code can make them disagree.
 
 Arrays are `array.array` rather than lists: a 32k-token sample costs ~13 bytes per
 token instead of ~70 for lists of boxed ints and floats, which matters with tens of
 thousands of samples in flight. They become lists only when handed to slime.
+
+Routed experts are rows of `num_layers x topk` int32, one per token of the whole sequence
+(prompt included) except the last, kept as raw bytes (48 layers x top-8 is 1.5 KB a token).
+Rows come from the server, so tokens appended after the last request (a trailing observation)
+have none until the next request: `routed_rows <= total_length - 1` always, with equality
+right after a model turn. `padded_routed_experts` fills the trailing rows for the trainer.
 """
 
 from __future__ import annotations
@@ -61,6 +67,13 @@ class Trajectory:
     # top_p_ids[top_p_offsets[i]:top_p_offsets[i + 1]]. None when the server sends none.
     top_p_ids: array | None = None
     top_p_offsets: array | None = None
+    # Routing replay: `experts` holds routed_rows * expert_row_bytes bytes; None without R3.
+    expert_row_bytes: int = 0
+    experts: bytearray | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.expert_row_bytes and self.experts is None:
+            self.experts = bytearray()
 
     # -- reading -----------------------------------------------------------------
     @property
@@ -74,6 +87,31 @@ class Trajectory:
     @property
     def total_length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def routed_rows(self) -> int:
+        """Rows of routed experts held (0 without routing replay)."""
+        return len(self.experts) // self.expert_row_bytes if self.experts is not None and self.expert_row_bytes else 0
+
+    def padded_routed_experts(self) -> bytes | None:
+        """The routed experts with one row per token but the last, as the trainer needs them.
+
+        Tokens after the last request (a trailing observation, a turn cut by TRIM) have no row
+        from any reply. They come after every trained token, so causal attention keeps their
+        routing from reaching a trained position: they get the last real row again (valid,
+        distinct expert ids), or slots 0..k-1 when no row exists yet.
+        """
+        if self.experts is None or not self.expert_row_bytes:
+            return None
+        missing = max(0, self.total_length - 1) - self.routed_rows
+        if missing <= 0:
+            return bytes(self.experts)
+        if self.experts:
+            filler = bytes(self.experts[-self.expert_row_bytes :])
+        else:
+            width = self.expert_row_bytes // 4
+            filler = array("i", range(width)).tobytes()  # callers reshape to (layers, topk); see write_sample
+        return bytes(self.experts) + filler * missing
 
     def input_ids(self) -> list[int]:
         """The ids to send for the next turn: prompt followed by the response so far."""
@@ -89,13 +127,17 @@ class Trajectory:
         loss_mask: array,
         segments: list[Segment],
         top_p: tuple[array, array] | None = None,
+        experts: bytes | None = None,
+        expert_row_bytes: int = 0,
     ) -> Trajectory:
         """Rebuild a trajectory from a validated checkpoint (partial rollout).
 
         Model segments get their fingerprints from the given ids and logprobs: the caller
         has already proved those are the ones the checkpoint was written for.
         """
-        t = cls(array("i", prompt_ids), ids, logprobs, loss_mask)
+        t = cls(array("i", prompt_ids), ids, logprobs, loss_mask, expert_row_bytes=expert_row_bytes)
+        if expert_row_bytes:
+            t.experts = bytearray(experts or b"")
         t.segments = [
             attrs.evolve(s, digest=_digest(ids[s.start : s.end], logprobs[s.start : s.end]) if s.kind == "model" else 0)
             for s in segments
@@ -113,6 +155,7 @@ class Trajectory:
         self.segments = []
         self.top_p_ids = None
         self.top_p_offsets = None
+        self.experts = bytearray() if self.expert_row_bytes else None
 
     def append_model_turn(
         self,
@@ -120,14 +163,20 @@ class Trajectory:
         logprobs: Sequence[float],
         top_p: tuple[Sequence[int], Sequence[int]] | None = None,
         weight_version: str | None = None,
+        experts: bytes | None = None,
+        experts_start: int = 0,
     ) -> None:
         """Append tokens the server generated, with their logprobs (mask 1).
 
         `top_p` is the turn's replay data as (kept ids, offsets with len(ids) + 1 entries
-        starting at 0). Raises ValueError, changing nothing, if lengths disagree.
+        starting at 0). `experts` are the routed-expert rows the reply sent, from row
+        `experts_start` to the new sequence's last token but one. Raises ValueError,
+        changing nothing, if lengths disagree.
         """
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} ids but {len(logprobs)} logprobs")
+        if self.experts is not None and (ids or experts is not None):
+            self._check_expert_rows(len(ids), experts, experts_start)
         if top_p is not None:
             kept, offsets = top_p
             if len(offsets) != len(ids) + 1 or (offsets and (offsets[0] != 0 or offsets[-1] != len(kept))):
@@ -137,11 +186,22 @@ class Trajectory:
         new_ids, new_logprobs = array("i", ids), array("d", logprobs)
         start = len(self.response_ids)
         self._extend(new_ids, new_logprobs, 1)
+        if self.experts is not None and experts is not None:
+            del self.experts[experts_start * self.expert_row_bytes :]
+            self.experts.extend(experts)
         if top_p is not None:
             self._extend_top_p(top_p[0], top_p[1])
         if new_ids:
             digest = _digest(new_ids, new_logprobs)
             self.segments.append(Segment("model", start, start + len(new_ids), digest, weight_version))
+
+    def _check_expert_rows(self, new_tokens: int, experts: bytes | None, start: int) -> None:
+        rb = self.expert_row_bytes
+        if experts is None:
+            raise ValueError("this trajectory carries routed experts but the turn has none")
+        expected = self.total_length + new_tokens - 1 - start
+        if not 0 <= start <= self.routed_rows or len(experts) != expected * rb:
+            raise ValueError(f"{len(experts) / rb:g} routed-expert rows from row {start}, expected {expected}")
 
     def append_observation(self, ids: Sequence[int]) -> None:
         """Append environment tokens (tool output, template glue): mask 0, logprob 0.0."""
@@ -166,6 +226,8 @@ class Trajectory:
         if self.top_p_offsets is not None and self.top_p_ids is not None:
             del self.top_p_offsets[keep + 1 :]
             del self.top_p_ids[self.top_p_offsets[-1] :]
+        if self.experts is not None:
+            del self.experts[max(0, self.total_length - 1) * self.expert_row_bytes :]
         kept: list[Segment] = []
         for seg in self.segments:
             if seg.start >= keep:
@@ -222,6 +284,8 @@ class Trajectory:
                 raise InvariantViolation("I1", f"top-p offsets={len(self.top_p_offsets)} for {n} tokens")
             if self.top_p_offsets[0] != 0 or self.top_p_offsets[-1] != len(self.top_p_ids):
                 raise InvariantViolation("I1", "top-p offsets do not span the kept ids")
+        if self.experts is not None:
+            self._check_experts()
         last_end = self.segments[-1].end if self.segments else 0
         if last_end != n:
             raise InvariantViolation("I1", f"segments cover {last_end} of {n} tokens")
@@ -231,6 +295,16 @@ class Trajectory:
             self._check_segments()
             if decode is not None and text is not None and decode(self.response_ids.tolist()) != text:
                 raise InvariantViolation("I3", "response text differs from decode(response_ids)")
+
+    def _check_experts(self) -> None:
+        """I1 for routed experts: whole rows, never past the last token but one, and up to it
+        right after a model turn (rows of later tokens come with the next request)."""
+        rb, rows, most = self.expert_row_bytes, self.routed_rows, max(0, self.total_length - 1)
+        assert self.experts is not None
+        if not rb or len(self.experts) % rb:
+            raise InvariantViolation("I1", f"routed experts hold {len(self.experts)} bytes, not whole rows of {rb}")
+        if rows > most or (self.segments and self.segments[-1].kind == "model" and rows != most):
+            raise InvariantViolation("I1", f"{rows} routed-expert rows for {self.total_length} tokens")
 
     def _check_segments(self) -> None:
         expected_start = 0

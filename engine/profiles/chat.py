@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import uuid
 from typing import Any
 
 from engine.profiles.base import CallResult, ToolCall, Turn
@@ -43,6 +44,8 @@ class ChatProfile:
     """Prompts and tool responses rendered by the tokenizer's chat template."""
 
     name = "chat"
+    withheld_tools = ()  # every registered tool is offered
+    renders_sample_schemas = True  # a dataset's own tool schemas (slime's --tool-key) are shown as given
 
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
@@ -66,9 +69,28 @@ class ChatProfile:
     def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
         """The template's tokens between this turn and the next assistant turn."""
         contents = [r.text for r in results] or ["Error: the turn had no usable tool call"]
-        delta = self.tool_delta(contents)
+        # The template's glue keeps its special tokens; what the tools printed is plain text
+        # (a printed <|im_end|> must not close the turn): each special-token string inside a
+        # tool's text is stood in for by a placeholder the template leaves alone.
+        nonce = uuid.uuid4().hex[:12]
+        found: list[str] = []
+
+        def hold(match: re.Match[str]) -> str:
+            found.append(match.group())
+            return f"\ue000{nonce}:{len(found) - 1}\ue001"
+
+        specials = self.codec.special_pattern
+        held = [specials.sub(hold, c) for c in contents] if specials is not None else contents
+        delta = self.tool_delta(held)
         closed = last_token is None or last_token == self.eos_id
-        return self.encode(delta if closed else self.eos + delta)
+        text = delta if closed else self.eos + delta
+        if not found:
+            return self.encode(text)
+        ids: list[int] = []
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
+        for i, part in enumerate(parts):
+            ids += self.encode(part) if i % 2 == 0 else self.codec.encode_plain(found[int(part)])
+        return ids
 
     def tool_delta(self, contents: list[str]) -> str:
         """Text the template puts after an assistant turn's end token for these tool messages."""

@@ -103,6 +103,11 @@ class RetoolProfile:
     """slime's retool format over a tokenizer."""
 
     name = "retool"
+    # Built-ins not offered unless `engine_tools` (or the sample) names them, so that by default
+    # the prompt offers code_interpreter alone, byte for byte slime's example. Tools of your
+    # own (engine_tool_modules) are offered.
+    withheld_tools = ("python_session",)
+    renders_sample_schemas = False  # the example always shows its own tool spec
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -121,7 +126,8 @@ class RetoolProfile:
         return "".join(f"\n\n<interpreter>\n{r.text}\n</interpreter>\n\n" for r in results)
 
     def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
-        return self.encode(self.observation_text(turn, results))
+        """The observation as plain text: a special token printed by a tool stays text (issue 14)."""
+        return self.codec.encode_plain(self.observation_text(turn, results))
 
     def encode(self, text: str) -> list[int]:
         return self.codec.encode(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 from typing import Any
 
 
@@ -55,6 +56,32 @@ class Codec:
             except Exception:
                 same = False
             self._backend = backend if same else None
+
+        # Special tokens (<|im_end|>, <|im_start|>...) as text: what `encode_plain` neutralises.
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        specials = sorted({t.content for t in decoder.values() if getattr(t, "special", False) and t.content}, key=len,
+                          reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    @property
+    def special_pattern(self) -> re.Pattern[str] | None:
+        """A regex matching any special token's string (None when the tokenizer has none)."""
+        return self._specials
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` as ordinary text: a special token's string in it (a program that
+        prints `<|im_end|>`) becomes plain text tokens, never the special id, so tool output
+        cannot forge turn boundaries. Decoding the ids gives `text` back."""
+        if self._specials is None or not self._specials.search(text):
+            return self.encode(text)
+        ids: list[int] = []
+        pos = 0
+        for match in self._specials.finditer(text):
+            ids += self.encode(text[pos : match.start()])
+            # Split after the first character: the rest no longer spells a special token.
+            ids += self.encode(match.group()[0]) + self.encode_plain(match.group()[1:])
+            pos = match.end()
+        return ids + self.encode(text[pos:])
 
     def _slow_encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

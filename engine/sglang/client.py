@@ -95,9 +95,13 @@ class SGLangClient:
         *,
         routing_key: str | None = None,
         rid: str | None = None,
+        routed_experts_start: int | None = None,
     ) -> Reply | Failure:
-        """One generation turn, retried while the failure is transient."""
-        payload = generate_payload(input_ids, sampling_params, max_new_tokens, rid)
+        """One generation turn, retried while the failure is transient.
+
+        `routed_experts_start` asks for routed experts (routing replay) from that row on.
+        """
+        payload = generate_payload(input_ids, sampling_params, max_new_tokens, rid, routed_experts_start)
         headers = {ROUTING_HEADER: str(routing_key)} if routing_key else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry.deadline

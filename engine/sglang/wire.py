@@ -21,6 +21,12 @@ FinishType = Literal["stop", "length", "abort"]
 LOGPROBS_MISSING = "logprobs_missing"
 LOGPROBS_MISMATCH = "logprobs_mismatch"
 MALFORMED = "reply_malformed"
+TOP_P_MISSING = "top_p_replay_missing"  # top-p replay was asked for (custom_params) and not sent
+ROUTED_EXPERTS_MISMATCH = "routed_experts_mismatch"  # R3 rows missing, undecodable or not one per token
+
+# meta_info counters slime accumulates per call into its SpecInfo / PrefixCacheInfo.
+STAT_KEYS = ("cached_tokens", "prompt_tokens", "completion_tokens",
+             "spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct")
 
 
 @attrs.frozen
@@ -35,6 +41,9 @@ class Reply:
     problem_detail: str = ""
     weight_version: str | None = None
     top_p: tuple[list[int], list[int]] | None = None
+    routed_experts: bytes | None = None  # int32 rows, raw; checked against the tokens by the caller
+    routed_experts_start_len: int | None = None  # the server's echo of the request's start row
+    stats: dict[str, int] = attrs.field(factory=dict)  # STAT_KEYS present in meta_info
 
 
 FailureKind = Literal["context_exceeded", "rejected", "unavailable"]
@@ -62,16 +71,78 @@ _CONTEXT_PATTERNS = re.compile(
 
 
 def generate_payload(
-    input_ids: list[int], sampling_params: dict[str, Any], max_new_tokens: int | None, rid: str | None = None
+    input_ids: list[int],
+    sampling_params: dict[str, Any],
+    max_new_tokens: int | None,
+    rid: str | None = None,
+    routed_experts_start: int | None = None,
 ) -> dict[str, Any]:
-    """The token-in/token-out request body, the same shape slime sends."""
+    """The token-in/token-out request body, the same shape slime sends.
+
+    `routed_experts_start` (routing replay) asks for the routed experts of rows from that one on.
+    """
     params = dict(sampling_params)
     if max_new_tokens is not None:
         params["max_new_tokens"] = int(max_new_tokens)
     payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
     if rid is not None:
         payload["rid"] = rid
+    if routed_experts_start is not None:
+        payload["return_routed_experts"] = True
+        payload["routed_experts_start_len"] = int(routed_experts_start)
     return payload
+
+
+def top_p_asked(sampling_params: dict[str, Any]) -> bool:
+    """Whether the request asks for top-p replay (slime's `custom_params.return_top_p_token_ids`)."""
+    custom = sampling_params.get("custom_params")
+    return isinstance(custom, dict) and bool(custom.get("return_top_p_token_ids"))
+
+
+def require_top_p(reply: Reply) -> Reply:
+    """The reply, unusable if it has tokens but lacks the top-p replay that was asked for."""
+    if reply.problem is None and reply.ids and reply.top_p is None:
+        return attrs.evolve(reply, problem=TOP_P_MISSING, problem_detail="top-p replay was asked for and not sent")
+    return reply
+
+
+def require_routed_experts(reply: Reply, *, sequence_length: int, start: int, row_bytes: int) -> Reply:
+    """The reply, unusable unless it carries one routed-expert row per token from `start` on.
+
+    `sequence_length` is the request's input plus the reply's ids; rows cover every token but
+    the last (`[start, sequence_length - 1)`), as SGLang's `routed_experts_start_len` defines.
+    """
+    if reply.problem is not None or (reply.routed_experts is None and not reply.ids):
+        return reply  # no token to append, so no row is needed (an abort in the waiting queue)
+    expected = max(0, sequence_length - 1 - start)
+    echoed = reply.routed_experts_start_len
+    data = reply.routed_experts
+    if data is None:
+        detail = "routed experts were asked for and not sent"
+    elif echoed not in (None, start):
+        detail = f"routed_experts_start_len {echoed} is not the {start} asked for"
+    elif len(data) != expected * row_bytes:
+        detail = f"{len(data)} bytes of routed experts, expected {expected} rows of {row_bytes}"
+    else:
+        return reply
+    return attrs.evolve(reply, problem=ROUTED_EXPERTS_MISMATCH, problem_detail=detail)
+
+
+def _int32_bytes(value: Any) -> bytes | None:
+    """Raw int32 bytes of base64 text or a list of ints; None for anything else. Never raises."""
+    try:
+        if isinstance(value, str):
+            data = base64.b64decode(value, validate=True)
+            return data if len(data) % 4 == 0 else None
+        if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return array("i", value).tobytes()
+    except (ValueError, OverflowError):
+        pass
+    return None
+
+
+def _stats(meta: dict[str, Any]) -> dict[str, int]:
+    return {k: v for k in STAT_KEYS if isinstance(v := meta.get(k), int) and not isinstance(v, bool)}
 
 
 def error_message(body: bytes | str) -> str:
@@ -141,4 +212,11 @@ def parse_reply(data: Any) -> Reply:
         if kept is None or offsets is None or len(offsets) != len(ids) + 1 or offsets[0] != 0 or offsets[-1] != len(kept):
             return Reply([], [], finish, detail, LOGPROBS_MISMATCH, "top-p replay does not match the ids", version)
         top_p = (kept, offsets)
-    return Reply(ids, logprobs, finish, detail, None, "", version, top_p)
+    experts = None
+    if meta.get("routed_experts") is not None:
+        experts = _int32_bytes(meta["routed_experts"])
+        if experts is None:
+            return Reply([], [], finish, detail, ROUTED_EXPERTS_MISMATCH, "routed_experts is not base64 int32", version)
+    start = meta.get("routed_experts_start_len")
+    start = start if isinstance(start, int) and not isinstance(start, bool) else None
+    return Reply(ids, logprobs, finish, detail, None, "", version, top_p, experts, start, _stats(meta))

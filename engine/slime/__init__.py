@@ -21,12 +21,23 @@ import weakref
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.loop.driver import drive, new_rollout
+from engine.loop.attempts import run_attempts
+from engine.loop.driver import new_rollout
 from engine.profiles.reward import retool_score
-from engine.machine.rollout import Inputs, Record, Rollout
-from engine.machine.states import State
+from engine.machine.rollout import Rollout
 from engine.loop.runtime import Runtime
-from engine.slime.sample_io import clear_sample, engine_metadata, read_checkpoint, write_sample
+from engine.slime.sample_io import (
+    ADAPTER_CRASHED,
+    BAD_INPUT,
+    SETUP_FAILED,
+    BadInput,
+    clear_sample,
+    engine_metadata,
+    read_checkpoint,
+    read_input,
+    write_sample,
+    write_unrolled,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,49 +57,95 @@ def runtime_for(cfg: EngineConfig) -> Runtime:
     return rt
 
 
-async def run_sample(rt: Runtime, sample: Any, sampling_params: dict[str, Any]) -> Any:
-    """Roll one sample out through the machine and write the result into it."""
-    metadata = getattr(sample, "metadata", None)
-    requested = metadata.get("tools") if isinstance(metadata, dict) else None
-    saved = read_checkpoint(sample) if rt.cfg.partial_rollout else None
-    clear_sample(sample)  # an earlier attempt's fields are gone before anything new is written (I5)
-    r = new_rollout(
-        rt,
-        sample.prompt,
-        sampling_params,
-        saved=saved,
-        routing_key=getattr(sample, "session_id", None),
-        tools_requested=requested,
-    )
+async def run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
+    """Roll one sample out through the machine and write the result into it. Never raises but
+    CancelledError: bad input and adapter bugs end the sample FAILED with the reason recorded."""
     try:
-        await drive(rt, r)
-    finally:
-        write_sample(sample, r)
+        inp = read_input(sample, sampling_params)
+    except BadInput as exc:
+        return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params)
+    except Exception as exc:  # a sample object whose attributes raise
+        return _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
+    current: list[Rollout] = []
+    try:
+        saved = read_checkpoint(sample) if rt.cfg.partial_rollout else None
+        clear_sample(sample)  # an earlier attempt's fields are gone before anything new is written (I5)
+        offered = rt.allowed_tools(inp.tool_names)
+
+        def make(number: int) -> Rollout:
+            # Only the first attempt may resume a checkpoint; a re-run starts from RESET.
+            return new_rollout(rt, inp.prompt, inp.sampling_params, saved=saved if number == 1 else None,
+                               routing_key=inp.routing_key, tools_requested=inp.tool_names,
+                               tool_schemas=inp.tool_schemas)
+
+        outcome = await run_attempts(rt, make, on_start=current.append)
+    except asyncio.CancelledError:
+        if current:
+            write_sample(sample, current[-1])  # the attempt in flight
+        raise
+    except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
+        log.exception("engine adapter failed on a sample")
+        return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
+    try:
+        write_sample(sample, outcome.rollout, attempts=outcome.attempts, exhausted=outcome.exhausted)
+        unserved = sorted((inp.tool_names or frozenset()) - offered)
+        if unserved:
+            sample.metadata["fsm"]["tools_unavailable"] = unserved
+    except Exception as exc:
+        log.exception("engine adapter failed writing a sample")
+        _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
     return sample
 
 
-async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], evaluation: bool = False) -> Any:
-    """slime's custom generate function: one sample, multi-turn with tools, returns the sample."""
+def _unrolled(sample: Any, reason: str, error: str, cfg: EngineConfig | None, sampling_params: Any) -> Any:
+    """End a sample that never finished the machine; a sample that cannot even be written is logged."""
     try:
-        rt = runtime_for(EngineConfig.from_args(args))
+        write_unrolled(sample, reason, error, cfg, sampling_params)
+    except Exception:  # the sample refuses its fields: nothing more can be done than to say so
+        log.exception("could not write the outcome (%s: %s) into the sample", reason, error)
+    return sample
+
+
+async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: bool = False) -> Any:
+    """slime's custom generate function: one sample, multi-turn with tools, returns the sample.
+
+    Never raises into slime's `gather` (only CancelledError passes): every failure is a status
+    with its reason in `sample.metadata["fsm"]["termination_reason"]`.
+    """
+    try:
+        cfg = EngineConfig.from_args(args)
+        rt = runtime_for(cfg)
     except Exception as exc:  # settings or tokenizer unusable: every sample says so, none crashes
-        log.error("engine setup failed: %s", exc)
-        return _setup_failed(sample, exc)
+        _log_setup_failure(exc)
+        return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params)
     return await run_sample(rt, sample, sampling_params)
 
 
-def _setup_failed(sample: Any, exc: Exception) -> Any:
-    clear_sample(sample)
-    r = Rollout(Inputs(EngineConfig()), state=State.FAILED.value,
-                record=Record(reason="engine_setup_failed", error=f"{type(exc).__name__}: {exc}"))
-    write_sample(sample, r)
-    return sample
+_setup_errors: set[str] = set()
+
+
+def _log_setup_failure(exc: Exception) -> None:
+    """Log each distinct setup error once, not once per sample."""
+    text = f"{type(exc).__name__}: {exc}"
+    if text not in _setup_errors:
+        _setup_errors.add(text)
+        log.error("engine setup failed: %s", text)
 
 
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
-    """retool's reward: the boxed answer against `sample.label`, nudged towards using tools."""
-    tool_calls = int((engine_metadata(sample).get("tool_stats") or {}).get("calls", 0))
-    return retool_score(sample.response or "", getattr(sample, "label", None), tool_calls)
+    """retool's reward: the boxed answer of the model's own final text against `sample.label`,
+    nudged towards using tools. Tool output never counts: a program that prints an answer
+    earns the no-answer reward."""
+    fsm = engine_metadata(sample)
+    tool_calls = (fsm.get("tool_stats") or {}).get("calls", 0)
+    text = fsm["final_text"] if isinstance(fsm.get("final_text"), str) else _own_text(sample, fsm)
+    return retool_score(text, getattr(sample, "label", None), int(tool_calls) if isinstance(tool_calls, int) else 0)
+
+
+def _own_text(sample: Any, fsm: dict[str, Any]) -> str:
+    """A sample the engine did not roll out: its response is all the text there is."""
+    response = getattr(sample, "response", "")
+    return response if isinstance(response, str) and not fsm else ""
 
 
 def slime_aborting() -> bool:

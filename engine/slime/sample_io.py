@@ -7,14 +7,96 @@ one key, `sample.metadata["fsm"]`; the rest of `metadata` belongs to the user an
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import attrs
 
 from engine.machine import checkpoint
 from engine.machine.rollout import Rollout, Saved
 from engine.machine.states import State, Trigger
 from engine.machine.table import get_machine
+from engine.sglang.wire import top_p_asked
 
 FSM = "fsm"  # the one key of sample.metadata that the engine writes
+BAD_INPUT = "bad_sample_input"  # the sample, its sampling params or its tools cannot be read
+SETUP_FAILED = "engine_setup_failed"  # settings or tokenizer unusable
+ADAPTER_CRASHED = "crashed"  # a bug outside the machine; the sample still comes back
+
+
+class BadInput(ValueError):
+    """The sample (prompt, metadata["tools"]) or the sampling params cannot be used."""
+
+
+@attrs.frozen
+class SampleInput:
+    """What the engine reads off a sample and its sampling params, checked."""
+
+    prompt: str | list[dict[str, Any]]
+    sampling_params: dict[str, Any]
+    tool_names: frozenset[str] | None  # None: the sample names no tools
+    tool_schemas: dict[str, dict[str, Any]] | None  # the sample's own schemas, by name
+    routing_key: str | None
+
+
+def read_input(sample: Any, sampling_params: Any) -> SampleInput:
+    """The sample's prompt, tools and sampling params, or BadInput saying what is wrong."""
+    prompt = getattr(sample, "prompt", None)
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
+            raise BadInput("prompt: a list of messages must hold dicts with a string 'role'")
+    elif not isinstance(prompt, str):
+        raise BadInput(f"prompt: expected a string or a list of messages, got {type(prompt).__name__}")
+    metadata = getattr(sample, "metadata", None)
+    names, schemas = read_tools(metadata.get("tools") if isinstance(metadata, dict) else None)
+    session = getattr(sample, "session_id", None)
+    return SampleInput(prompt, read_sampling_params(sampling_params), names, schemas,
+                       str(session) if session is not None else None)
+
+
+def read_sampling_params(params: Any) -> dict[str, Any]:
+    """A private copy of the sampling params with `max_new_tokens` an int (or absent)."""
+    if not isinstance(params, dict):
+        raise BadInput(f"sampling_params: expected a dict, got {type(params).__name__}")
+    out = dict(params)  # never mutate slime's: evaluation shares one dict between samples
+    if out.get("max_new_tokens") is not None:
+        out["max_new_tokens"] = read_max_new_tokens(out["max_new_tokens"])
+    return out
+
+
+def read_max_new_tokens(value: Any) -> int:
+    """An int, or a float that is one (YAML may give 512.0); anything else is BadInput."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadInput(f"max_new_tokens: expected an integer, got {value!r}")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise BadInput(f"max_new_tokens: expected an integer, got {value!r}")
+    return int(value)
+
+
+def read_tools(value: Any) -> tuple[frozenset[str] | None, dict[str, dict[str, Any]] | None]:
+    """The tool names a sample asks for, and its own schemas where it gave them.
+
+    slime's `--tool-key` puts OpenAI-style schemas there (`{"type": "function", "function":
+    {"name", ...}}`); a dataset may also hold bare function objects (`{"name", ...}`) or names.
+    None means the sample names no tools. Any other shape is BadInput.
+    """
+    if value is None:
+        return None, None
+    if not isinstance(value, (list, tuple)):
+        raise BadInput(f"metadata['tools']: expected a list of tool schemas or names, got {type(value).__name__}")
+    names: set[str] = set()
+    schemas: dict[str, dict[str, Any]] = {}
+    for item in value:
+        if isinstance(item, str) and item:
+            names.add(item)
+            continue
+        function = item.get("function", item) if isinstance(item, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise BadInput(f"metadata['tools']: {str(item)[:80]!r} is neither a tool name nor a schema with a name")
+        names.add(name)
+        schemas[name] = item if "function" in item else {"type": "function", "function": item}
+    return frozenset(names), schemas or None
 
 
 def engine_metadata(sample: Any) -> dict[str, Any]:
@@ -43,7 +125,20 @@ def read_checkpoint(sample: Any) -> Saved | None:
         logprobs=listed("rollout_log_probs"),
         top_p_ids=getattr(sample, "rollout_top_p_token_ids", None),
         top_p_offsets=getattr(sample, "rollout_top_p_token_offsets", None),
+        routed_experts=int32_bytes(getattr(sample, "rollout_routed_experts", None)),
     )
+
+
+def int32_bytes(value: Any) -> bytes | None:
+    """The int32 bytes of an array-like of ints (numpy, a CPU tensor, nested lists); None if not one."""
+    if value is None:
+        return None
+    import numpy as np  # a dependency of transformers; only needed with routing replay
+
+    try:
+        return np.ascontiguousarray(np.asarray(value), dtype=np.int32).tobytes()
+    except (TypeError, ValueError):
+        return None
 
 
 def _set(sample: Any, name: str, value: Any) -> None:
@@ -85,8 +180,15 @@ def clear_sample(sample: Any) -> None:
         _set(sample, "metadata", {})
 
 
-def write_sample(sample: Any, r: Rollout) -> None:
-    """Hand the rollout to the sample: every per-token field from the one trajectory."""
+def write_sample(
+    sample: Any, r: Rollout, *, attempts: list[dict[str, Any]] | None = None, exhausted: bool = False
+) -> None:
+    """Hand the rollout to the sample: every per-token field from the one trajectory.
+
+    `exhausted`: no attempt could finish (see engine.loop.attempts). The sample ends FAILED
+    with `remove_sample=True`: slime computes its reward and keeps it in its group, but trains
+    none of its tokens; the last attempt's reason is kept beside `attempts_exhausted`.
+    """
     traj = r.traj
     sample.tokens = traj.prompt_ids.tolist() + traj.response_ids.tolist()
     sample.response = r.text
@@ -95,19 +197,93 @@ def write_sample(sample: Any, r: Rollout) -> None:
     sample.rollout_log_probs = traj.logprobs.tolist()
     _set(sample, "rollout_top_p_token_ids", traj.top_p_ids.tolist() if traj.top_p_ids is not None else None)
     _set(sample, "rollout_top_p_token_offsets", traj.top_p_offsets.tolist() if traj.top_p_offsets is not None else None)
+    if traj.top_p_offsets is None and top_p_asked(r.inputs.sampling_params):
+        # slime asked, and no reply carried any (none usable, or none sent): empty spans, which
+        # slime's conversion accepts. Such a sample trains no model token from a reply anyway.
+        _set(sample, "rollout_top_p_token_ids", [])
+        _set(sample, "rollout_top_p_token_offsets", [0] * (traj.response_length + 1))
+    if traj.experts is not None:
+        _set(sample, "rollout_routed_experts", routed_experts_array(traj.padded_routed_experts() or b"", r))
     _set(sample, "weight_versions", list(r.record.weight_versions))
     if hasattr(sample, "non_generation_time"):
         sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds
-    if r.reason == "prompt_over_budget":
-        _set(sample, "remove_sample", True)  # slime drops it from training: no token of it fits
+    add_call_stats(sample, r.record.call_stats)
+    if r.reason == "prompt_over_budget" or exhausted:
+        sample.remove_sample = True  # slime keeps it in its group, trains none of it
     status = getattr(type(sample), "Status", None)
-    if status is not None and r.state in status.__members__:
-        sample.status = status[r.state]
+    state = "FAILED" if exhausted else r.state
+    if status is not None and state in status.__members__:
+        sample.status = status[state]
     metadata = getattr(sample, "metadata", None)
     if not isinstance(metadata, dict):
         metadata = {}
         _set(sample, "metadata", metadata)
-    metadata[FSM] = rollout_metadata(r)
+    meta = rollout_metadata(r)
+    if attempts:
+        meta["attempts"] = attempts
+    if exhausted:
+        meta["last_reason"] = meta["termination_reason"]
+        meta["termination_reason"] = "attempts_exhausted"
+        meta.pop("checkpoint", None)  # nothing resumes a FAILED sample
+    metadata[FSM] = meta
+
+
+def routed_experts_array(data: bytes, r: Rollout) -> Any:
+    """slime's int32 array of shape (len(tokens) - 1, num_layers, moe_router_topk)."""
+    import numpy as np  # a dependency of transformers; only needed with routing replay
+
+    return np.frombuffer(data, dtype=np.int32).reshape(-1, r.cfg.num_layers, r.cfg.moe_router_topk).copy()
+
+
+def add_call_stats(sample: Any, calls: list[dict[str, int]]) -> None:
+    """Accumulate each call's meta_info counters into slime's SpecInfo / PrefixCacheInfo, as its generate does."""
+    cache = getattr(sample, "prefix_cache_info", None)
+    spec = getattr(sample, "spec_info", None)
+    for stats in calls:
+        _add(cache, stats)
+        if any(k.startswith("spec_") for k in stats):  # slime adds spec figures only under speculative decoding
+            _add(spec, stats)
+
+
+def _add(info: Any, stats: dict[str, int]) -> None:
+    add = getattr(info, "add", None)
+    if add is None:
+        return
+    try:
+        add(meta_info=dict(stats))
+    except TypeError:  # an older signature
+        add(dict(stats))
+
+
+def write_unrolled(sample: Any, reason: str, error: str, cfg: Any = None, sampling_params: Any = None) -> None:
+    """End a sample that never reached the machine (bad input, setup failed, an adapter bug).
+
+    slime trains FAILED samples, so it gets the dummy slime's own coding-agent example uses: a
+    one-token response with mask 0 and `remove_sample=True`, so conversion and the trainer see
+    well-formed arrays (top-p replay and routed experts included when they are on) and nothing
+    of it is trained.
+    """
+    clear_sample(sample)
+    sample.tokens = [0, 0]
+    sample.response = ""
+    sample.response_length = 1
+    sample.loss_mask = [0]
+    sample.rollout_log_probs = [0.0]
+    sample.remove_sample = True  # set even on a stand-in without the field: it is what matters here
+    if cfg is not None and getattr(cfg, "routing_replay", False):
+        import numpy as np
+
+        row = np.arange(cfg.moe_router_topk, dtype=np.int32)
+        _set(sample, "rollout_routed_experts", np.tile(row, (1, cfg.num_layers, 1)))
+    if isinstance(sampling_params, dict) and top_p_asked(sampling_params):
+        _set(sample, "rollout_top_p_token_ids", [])  # slime's conversion asserts these when it asked
+        _set(sample, "rollout_top_p_token_offsets", [0, 0])
+    status = getattr(type(sample), "Status", None)
+    if status is not None:
+        sample.status = status.FAILED
+    metadata = getattr(sample, "metadata", None)
+    if isinstance(metadata, dict):
+        metadata[FSM] = {"termination_reason": reason, "engine_error": error, "trace": [], "final_text": ""}
 
 
 def rollout_metadata(r: Rollout) -> dict[str, Any]:
@@ -127,6 +303,9 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
     meta["segments"] = [[s.kind, s.start, s.end, s.weight_version] for s in segments]
     meta["policy_versions"] = len({s.weight_version for s in segments if s.kind == "model"})
     meta["attempt"] = r.attempt
+    meta["final_text"] = r.final_text
+    if r.traj.experts is not None:
+        meta["routed_experts_rows"] = r.traj.routed_rows  # from the server; the rest are padding
     if r.resume_rejected:
         meta["checkpoint_rejected"] = r.resume_rejected
     if r.cfg.partial_rollout and r.state == State.ABORTED and record.reason != Trigger.INVARIANT_VIOLATED:

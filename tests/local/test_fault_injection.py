@@ -176,8 +176,10 @@ def test_the_engine_ends_each_faulted_sample_in_its_status_with_the_invariants_i
     kind, server = faulty
     host, port = server.url.removeprefix("http://").split(":")
     timeout = REQUEST_TIMEOUT if kind == "stall" else 60.0  # a busy CI machine must not turn others into stalls
+    # Every request faults: this judges one attempt, so ABORTED is handed back as to a caller
+    # that re-queues it (the engine's re-runs are tests/slime/test_statuses.py's).
     args = make_args(sglang_router_ip=host, sglang_router_port=int(port), engine_retry_attempts=2,
-                     engine_retry_base_delay=0.0, engine_request_timeout=timeout)
+                     engine_retry_base_delay=0.0, engine_request_timeout=timeout, engine_abort_status="aborted")
     samples = [Sample(prompt=PROMPT, label="391", session_id=f"{kind}-{i}") for i in range(3)]
 
     async def go() -> None:

@@ -436,3 +436,49 @@ def test_replay_script_matching_rules(tmp_path: Path) -> None:
     bad.write_text('[{"prompt": "p"}]')
     with pytest.raises(ValueError):
         load_replay(bad)
+
+
+# ---- slime's replay fields: top-p kept ids, routed experts ------------------------------------
+def b64_int32(value: str) -> list[int]:
+    import base64
+    from array import array
+
+    return array("i", base64.b64decode(value)).tolist()
+
+
+def test_top_p_replay_in_slimes_format(client: httpx.Client, tok: Any) -> None:
+    out = gen(client, chat_ids(tok, "Hi"), max_new_tokens=5, temperature=1.0, top_p=0.9, top_k=3, sampling_seed=3,
+              custom_params={"return_top_p_token_ids": True})
+    meta = out["meta_info"]
+    kept, offsets = b64_int32(meta["top_p_token_ids"]), b64_int32(meta["top_p_token_offsets"])
+    assert len(offsets) == len(out["output_ids"]) + 1 and offsets[0] == 0 and offsets[-1] == len(kept)
+    for i, token in enumerate(out["output_ids"]):
+        assert token in kept[offsets[i]:offsets[i + 1]] and offsets[i + 1] - offsets[i] <= 3
+    plain = gen(client, chat_ids(tok, "Hi"), max_new_tokens=2)["meta_info"]
+    assert "top_p_token_ids" not in plain  # only when asked
+
+
+def test_routed_experts_only_from_a_server_that_has_them(client: httpx.Client, tok: Any) -> None:
+    body = {"input_ids": chat_ids(tok, "Hi"), "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+            "return_routed_experts": True}
+    assert "routed_experts" not in client.post("/generate", json=body).json()["meta_info"]
+
+
+def test_routed_experts_rows_from_the_start_asked(tok: Any) -> None:
+    from engine.local.server.model import synthetic_routed_experts
+
+    ids = chat_ids(tok, "Hi")
+    with BackgroundServer(routed_experts_layers=2, routed_experts_topk=4) as s, \
+            httpx.Client(base_url=s.url, trust_env=False, timeout=60) as c:
+        for start in (0, 5):
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
+                    "return_routed_experts": True, "routed_experts_start_len": start}
+            out = c.post("/generate", json=body).json()
+            meta = out["meta_info"]
+            rows = b64_int32(meta["routed_experts"])
+            sequence = ids + out["output_ids"]
+            assert meta["routed_experts_start_len"] == start
+            assert len(rows) == (len(sequence) - 1 - start) * 2 * 4
+            assert rows == synthetic_routed_experts(sequence, start, 2, 4)
+        bad = c.post("/generate", json={**body, "routed_experts_start_len": len(ids)})
+        assert bad.status_code == 400 and "routed_experts_start_len" in bad.text

@@ -21,7 +21,7 @@ from engine.machine.rollout import Rollout
 from engine.loop.runtime import Runtime
 from engine.slime.sample_io import read_checkpoint, write_sample
 from tests.conftest import run
-from tests.support.helpers import IM_END, SAMPLING, URL, ScriptedServer, encode, reply_body, tok, turn
+from tests.support.helpers import retool_schemas, IM_END, SAMPLING, URL, ScriptedServer, encode, reply_body, tok, turn
 
 CODE = "<code>\nprint(1)\n</code>"
 ANSWER = "Answer: \\boxed{1}"
@@ -29,7 +29,7 @@ PROMPT = "What is 1?"
 
 
 def prompt_len() -> int:
-    return len(encode(render_retool_prompt(PROMPT, [tools.get(n).schema() for n in tools.names()])))
+    return len(encode(render_retool_prompt(PROMPT, retool_schemas())))
 
 
 def cfg(**kw: Any) -> EngineConfig:
@@ -169,7 +169,7 @@ def script_through(state: str) -> tuple[list, dict[str, Any]]:
     if state == "RESUME":
         return [turn(ANSWER)], {"partial_rollout": True, "sample": resumable_sample()}
     if state in spec.tool_states:
-        return [turn(tool_call_turn(spec.tool_states[state])), turn(ANSWER)], {}
+        return [turn(tool_call_turn(spec.tool_states[state])), turn(ANSWER)], {"tools": tuple(tools.names())}
     if state == "TRIM":
         return [turn("many words " * 20)], {"max_context_len": prompt_len() + 5}
     return [turn(CODE), turn(ANSWER)], {}
@@ -248,10 +248,10 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
     async def go() -> Rollout:
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=ScriptedServer(script))
-            rt = Runtime.create(cfg(), tokenizer=tok())
+            rt = Runtime.create(cfg(tools=tuple(tools.names())), tokenizer=tok())
             r = new_rollout(rt, PROMPT, SAMPLING)
             task = asyncio.create_task(drive(rt, r))
-            while r.state != state:
+            while r.state != state and not task.done():
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)
             task.cancel()
@@ -307,7 +307,8 @@ def test_stateful_tool_keeps_variables_across_turns_of_one_trajectory():
     def session_call(code: str) -> str:
         return f"<tool_call>{json.dumps({'name': 'python_session', 'arguments': {'code': code}})}</tool_call>"
 
-    r, _ = walk([turn(session_call("x = 20")), turn(session_call("print(x + 22)")), turn(ANSWER)])
+    r, _ = walk([turn(session_call("x = 20")), turn(session_call("print(x + 22)")), turn(ANSWER)],
+                tools=("code_interpreter", "python_session"))
     assert r.state == "COMPLETED"
     assert ("TOOL_PYTHON_SESSION", "tool_done", "TOOL_CALL") in path(r)
     assert "\n42\n" in r.text

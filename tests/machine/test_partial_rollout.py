@@ -21,7 +21,9 @@ PROMPT = "What is 1?"
 def attempt(sample: Sample, script: list, **args_kw: Any) -> ScriptedServer:
     """One call of slime's generate on `sample` with partial rollout on."""
     server = ScriptedServer(script)
-    kw = {"partial_rollout": True, **args_kw}
+    # slime hands an ABORTED sample back to generate only when it re-queues it (aborting the
+    # step, or the fully-async worker): the setting says so here.
+    kw = {"partial_rollout": True, "engine_abort_status": "aborted", **args_kw}
     with respx.mock(assert_all_called=False) as mock:
         mock.post(URL + "/generate").mock(side_effect=server)
         run(slime.generate(make_args(**kw), sample, dict(SAMPLING)))
@@ -121,7 +123,7 @@ def test_abort_while_tools_run_reruns_the_cut_off_call(fake_interpreter):
     async def go() -> None:
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=server)
-            task = asyncio.create_task(slime.generate(make_args(partial_rollout=True), s, dict(SAMPLING)))
+            task = asyncio.create_task(slime.generate(make_args(partial_rollout=True, engine_abort_status="aborted"), s, dict(SAMPLING)))
             while not fake_interpreter.codes:
                 await asyncio.sleep(0.01)
             task.cancel()
@@ -209,7 +211,7 @@ def test_abort_flag_stops_50_samples_in_tool_calls_before_their_next_generation(
     async def go() -> int:
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=server)
-            args = make_args(partial_rollout=True, engine_tool_concurrency=64)
+            args = make_args(partial_rollout=True, engine_abort_status="aborted", engine_tool_concurrency=64)
             tasks = [asyncio.create_task(slime.generate(args, s, dict(SAMPLING))) for s in samples]
             while gate["in_tools"] < 50:
                 await asyncio.sleep(0.01)

@@ -105,7 +105,8 @@ def test_per_turn_max_new_tokens_is_clamped_to_the_context_left(fake_interpreter
 
 def test_missing_logprobs_aborts_without_retokenizing(fake_interpreter):
     """Seed case 3: text without output_token_logprobs must not be re-tokenized."""
-    s, _ = rollout([turn(CODE_TURN), turn(ANSWER_TURN, with_logprobs=False)])
+    # ABORTED handed back as to a caller that re-queues (tests/slime covers the re-run otherwise)
+    s, _ = rollout([turn(CODE_TURN), turn(ANSWER_TURN, with_logprobs=False)], engine_abort_status="aborted")
     assert s.status == Sample.Status.ABORTED
     assert s.metadata["fsm"]["termination_reason"] == "logprobs_missing"
     assert_aligned(s)
@@ -139,10 +140,10 @@ def test_prompt_that_fills_the_budget_ends_truncated_without_a_request():
 
 
 def slime_prompt_ids() -> list[int]:
-    from engine.profiles.retool import render_retool_prompt
+    from engine.profiles.retool import RetoolProfile, render_retool_prompt
     import tools as t
 
-    schemas = [t.get(n).schema() for n in t.names()]
+    schemas = [t.get(n).schema() for n in t.names() if n not in RetoolProfile.withheld_tools]
     return encode(render_retool_prompt("What is 6*7?", schemas))
 
 

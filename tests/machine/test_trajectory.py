@@ -145,3 +145,72 @@ def test_arrays_are_compact():
     t.append_model_turn(list(range(1000, 33000)), [-0.5] * 32000)
     assert isinstance(t.response_ids, array) and t.response_ids.itemsize == 4
     assert t.response_ids.buffer_info()[1] * 4 + len(t.logprobs) * 8 + len(t.loss_mask) < 32000 * 14
+
+
+# -- routed experts (routing replay, R3): rows of 2 layers x top-1, aligned with tokens[:-1] ----
+RB = 8  # bytes per row: 2 layers x 1 expert x int32
+
+
+def rows(*values: int) -> bytes:
+    """Rows whose two layers both route to `v`, so a row names its token."""
+    return array("i", [v for v in values for _ in range(2)]).tobytes()
+
+
+def routed() -> Trajectory:
+    t = Trajectory(expert_row_bytes=RB)
+    t.reset([1, 2, 3])
+    t.append_model_turn([10, 11], [-0.5, -0.25], experts=rows(1, 2, 3, 10), experts_start=0)
+    return t
+
+
+def test_routed_rows_cover_every_token_but_the_last_and_grow_from_the_row_asked():
+    t = routed()
+    assert t.routed_rows == 4 == t.total_length - 1
+    t.append_observation([20, 21])
+    assert t.routed_rows == 4  # the observation's rows come with the next request
+    t.check(full=True)
+    t.append_model_turn([12], [-1.0], experts=rows(11, 20, 21), experts_start=4)
+    assert t.routed_rows == 7 == t.total_length - 1
+    assert bytes(t.experts) == rows(1, 2, 3, 10, 11, 20, 21)
+    t.check(full=True)
+
+
+def test_a_turn_with_the_wrong_rows_changes_nothing():
+    t = routed()
+    before = (bytes(t.experts), t.response_ids.tolist())
+    for experts, start in ((rows(11), 4), (rows(11, 12, 13), 4), (None, 4), (rows(11, 12), 5)):
+        with pytest.raises(ValueError):
+            t.append_model_turn([12, 13], [-1.0, -1.0], experts=experts, experts_start=start)
+    assert (bytes(t.experts), t.response_ids.tolist()) == before
+
+
+def test_trailing_tokens_get_the_last_real_row_and_trim_cuts_rows_with_tokens():
+    t = routed()
+    t.append_observation([20, 21, 22])
+    padded = t.padded_routed_experts()
+    assert padded == rows(1, 2, 3, 10, 10, 10, 10) and len(padded) == (t.total_length - 1) * RB
+    t.trim(1)  # keep one response token: rows for the prompt and it, minus the last
+    assert t.routed_rows == 3 == t.total_length - 1 and bytes(t.experts) == rows(1, 2, 3)
+    t.check(full=True)
+
+
+def test_reset_clears_the_rows_and_an_empty_sample_pads_with_distinct_slots():
+    t = routed()
+    t.reset([1, 2, 3])
+    assert t.routed_rows == 0 and t.experts == bytearray()
+    assert t.padded_routed_experts() == array("i", [0, 1]).tobytes() * 2  # slots 0..k-1 per row
+
+
+def test_check_catches_rows_that_do_not_match_the_tokens():
+    t = routed()
+    t.experts.extend(rows(99))  # a row past the last token but one
+    with pytest.raises(InvariantViolation, match="I1"):
+        t.check()
+    t = routed()
+    del t.experts[-RB:]  # a model turn whose last row is missing
+    with pytest.raises(InvariantViolation, match="I1"):
+        t.check()
+    t = routed()
+    t.experts.append(0)  # not whole rows
+    with pytest.raises(InvariantViolation, match="I1"):
+        t.check()

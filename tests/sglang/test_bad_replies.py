@@ -21,7 +21,9 @@ def generate(script: list, *, repeat_last: bool = False, **args_kw) -> tuple[Sam
     sample = Sample(prompt="What is 1?", label="1")
     with respx.mock(assert_all_called=False) as mock:
         mock.post(URL + "/generate").mock(side_effect=server)
-        run(slime.generate(make_args(**args_kw), sample, dict(SAMPLING)))
+        # ABORTED handed back as to a caller that re-queues: these tests judge one attempt
+        # (the engine's own re-runs of a failed attempt are tests/slime/test_statuses.py's).
+        run(slime.generate(make_args(**{"engine_abort_status": "aborted", **args_kw}), sample, dict(SAMPLING)))
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
     assert sample.response == tok().decode(sample.tokens[len(sample.tokens) - sample.response_length :])
     return sample, server

@@ -67,6 +67,9 @@ def args_of(ep: Episode, **overrides: Any) -> Any:
     episode's event loop cheap (one httpx client per 4 connections).
     """
     n = len(prompt_ids(ep.prompt, ep.profile))
+    # The episodes model a caller that re-queues ABORTED samples (slime aborting the step, the
+    # fully-async worker); the engine's own re-runs are tested in tests/slime.
+    overrides.setdefault("engine_abort_status", "aborted")
     return make_args(engine_profile=ep.profile, rollout_max_context_len=ep.limit(n), sglang_server_concurrency=4,
                      engine_max_response_len=ep.max_response_len,
                      engine_max_turns=ep.max_turns, engine_max_tool_calls=ep.max_tool_calls,

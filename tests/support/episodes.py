@@ -19,7 +19,7 @@ import httpx
 from hypothesis import strategies as st
 
 import tools
-from engine.profiles.retool import render_retool_prompt
+from engine.profiles.retool import RetoolProfile, render_retool_prompt
 from engine.local.server.protocol import input_too_long_message, request_too_long_message
 from tests.support.helpers import IM_END, encode, fake_logprobs, reply_body, tok
 
@@ -91,7 +91,8 @@ FINAL_ANSWER = Reply(tuple(encode("Answer: \\boxed{42}")) + (IM_END,))
 
 def prompt_ids(prompt: Any, profile: str = "retool") -> tuple[int, ...]:
     """The prompt's ids in a profile, rendered with the tools registered now (the fake one, in tests)."""
-    schemas = [tools.get(n).schema() for n in tools.names()]  # type: ignore[union-attr]
+    offered = [n for n in tools.names() if profile != "retool" or n not in RetoolProfile.withheld_tools]
+    schemas = [tools.get(n).schema() for n in offered]  # type: ignore[union-attr]
     return _rendered(json.dumps(prompt, ensure_ascii=False), json.dumps(schemas), profile)
 
 

@@ -16,6 +16,13 @@ URL = "http://sglang.test:30000"
 IM_END = 151645
 
 
+def retool_schemas() -> list[dict[str, Any]]:
+    """The tool schemas a retool prompt shows by default (built-ins but code_interpreter withheld)."""
+    from engine.profiles.retool import RetoolProfile
+
+    return [tools.get(n).schema() for n in tools.names() if n not in RetoolProfile.withheld_tools]  # type: ignore[union-attr]
+
+
 def tok() -> Any:
     return load_tokenizer(None)
 

@@ -32,7 +32,7 @@ from engine.machine.table import TERMINALS, MachineSpec
 from engine.trace.paths import edge_key, timeline, trace_overlay
 from engine.trace.samples_file import load_samples, select_sample
 from tests.conftest import run
-from tests.support.helpers import SAMPLING, URL, FakeInterpreter, ScriptedServer, encode, make_args, turn
+from tests.support.helpers import retool_schemas, SAMPLING, URL, FakeInterpreter, ScriptedServer, encode, make_args, turn
 from engine.local.sample import Sample
 
 DIAGRAMS = Path(__file__).resolve().parents[2] / "diagrams"
@@ -157,7 +157,7 @@ def test_a_registered_tool_gets_its_own_state() -> None:
 def prompt_length() -> int:
     from engine.profiles.retool import render_retool_prompt
 
-    return len(encode(render_retool_prompt("What is 6*7?", [tools.get(n).schema() for n in tools.names()])))
+    return len(encode(render_retool_prompt("What is 6*7?", retool_schemas())))
 
 
 def as_row(sample: Sample) -> dict[str, Any]:
@@ -195,7 +195,7 @@ def recorded() -> Iterator[dict[str, Sample]]:
         record("trimmed", [turn(CODE_TURN)], output=lambda code: "Output:\n" + "9" * 5000, rollout_max_context_len=prompt_length() + 300)
         record("three_turns", [turn(CODE_TURN), turn(CODE_TURN), turn(ANSWER_TURN)])
         record("invalid", [turn("Let me think about it."), turn(ANSWER_TURN)])
-        record("no_logprobs", [turn(CODE_TURN), turn(ANSWER_TURN, with_logprobs=False)])
+        record("no_logprobs", [turn(CODE_TURN), turn(ANSWER_TURN, with_logprobs=False)], engine_abort_status="aborted")
     yield samples
 
 
@@ -348,7 +348,7 @@ def test_a_resumed_sample_lines_up_with_its_restored_turns(fake_interpreter: Fak
     for script in ([turn(CODE_TURN), turn("So the", finish="abort")], [turn(" answer is 42.\nAnswer: \\boxed{42}")]):
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=ScriptedServer(script))
-            run(slime.generate(make_args(partial_rollout=True), sample, dict(SAMPLING)))
+            run(slime.generate(make_args(partial_rollout=True, engine_abort_status="aborted"), sample, dict(SAMPLING)))
     row = as_row(sample)
     assert row["status"] == "completed"
     marked, visited = mermaid_marks(machine_mermaid(spec, trace_overlay(spec, row)), spec)

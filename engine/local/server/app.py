@@ -100,7 +100,9 @@ async def generate(request: web.Request) -> web.Response:
         log.exception("generate failed")
         return web.Response(status=500, text="Internal Server Error")
     latency = time.perf_counter() - started
-    bodies = [build_response(spec, result, weight_version=state.weight_version, e2e_latency=latency)
+    routed = (state.settings.routed_experts_layers, state.settings.routed_experts_topk)
+    bodies = [build_response(spec, result, weight_version=state.weight_version, e2e_latency=latency,
+                             routed_experts=routed, top_p_replay=state.settings.top_p_replay)
               for spec, result in zip(specs, results)]
     return _json(bodies if batch else bodies[0])
 

@@ -78,6 +78,49 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return min(int(torch.searchsorted(cdf, threshold, right=True)), probs.numel() - 1)
 
 
+def _candidates(probs: torch.Tensor, params: SamplerParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(probabilities, ids) of the tokens a top-k / top-p cut keeps, best first, the cut ones at 0;
+    None when there is no cut."""
+    if not (0 < params.top_k < probs.numel() or params.top_p < 1.0):
+        return None
+    # Candidates in descending order: the top_k best, or the whole vocabulary for top_p alone.
+    if 0 < params.top_k < probs.numel():
+        cand, order = torch.topk(probs, params.top_k)
+    else:
+        cand, order = torch.sort(probs, descending=True)
+    if params.top_p < 1.0:
+        before = torch.cumsum(cand, dim=0) - cand
+        # Keep a token while the mass before it is below top_p, so the best token always stays.
+        cand = cand.masked_fill(before >= params.top_p * cand.sum(), 0.0)
+    return cand, order
+
+
+def kept_token_ids(logits: torch.Tensor, params: SamplerParams) -> list[int]:
+    """The ids the sampler could have drawn from these logits (slime's top-p replay), best first."""
+    logprobs = reported_logprobs(logits, params)
+    if params.greedy:
+        return [int(torch.argmax(logprobs))]
+    nucleus = _candidates(logprobs.exp(), params)
+    if nucleus is None:
+        return list(range(logprobs.numel()))
+    cand, order = nucleus
+    return order[cand > 0].tolist()
+
+
+def synthetic_routed_experts(tokens: list[int], start: int, layers: int, topk: int, experts: int = 64) -> list[int]:
+    """Deterministic routed experts, flattened int32 rows `[start, len(tokens) - 1)` of `layers x topk`.
+
+    A stand-in for an MoE router: the row of position p depends on p and its token only, so a
+    test can recompute what the server sent; the k ids of one layer are distinct.
+    """
+    out: list[int] = []
+    for p in range(start, len(tokens) - 1):
+        for layer in range(layers):
+            base = (tokens[p] * 31 + p * 17 + layer * 7) % experts
+            out.extend((base + k) % experts for k in range(topk))
+    return out
+
+
 def sample_token(logits: torch.Tensor, params: SamplerParams, generator: torch.Generator) -> tuple[int, float]:
     """Draw one token from a 1-D logits vector; returns (token id, reported logprob)."""
     logprobs = reported_logprobs(logits, params)
@@ -85,16 +128,9 @@ def sample_token(logits: torch.Tensor, params: SamplerParams, generator: torch.G
         token = int(torch.argmax(logprobs))
         return token, float(logprobs[token])
     probs = logprobs.exp()
-    if 0 < params.top_k < probs.numel() or params.top_p < 1.0:
-        # Candidates in descending order: the top_k best, or the whole vocabulary for top_p alone.
-        if 0 < params.top_k < probs.numel():
-            cand, order = torch.topk(probs, params.top_k)
-        else:
-            cand, order = torch.sort(probs, descending=True)
-        if params.top_p < 1.0:
-            before = torch.cumsum(cand, dim=0) - cand
-            # Keep a token while the mass before it is below top_p, so the best token always stays.
-            cand = cand.masked_fill(before >= params.top_p * cand.sum(), 0.0)
+    nucleus = _candidates(probs, params)
+    if nucleus is not None:
+        cand, order = nucleus
         token = int(order[_draw(cand, generator)])
     else:
         token = _draw(probs, generator)

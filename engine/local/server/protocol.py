@@ -8,14 +8,16 @@ errors are 400 `{"error": {"message": ...}}`, an unknown sampling key is 400 `{"
 
 from __future__ import annotations
 
+import base64
 import math
 import time
+from array import array
 import uuid
 from typing import Any
 
 import attrs
 
-from engine.local.server.model import LMBackend, SamplerParams
+from engine.local.server.model import LMBackend, SamplerParams, synthetic_routed_experts
 
 DEFAULT_MAX_NEW_TOKENS = 128
 UNBOUNDED_NEW_TOKENS = 1 << 30  # what SGLang uses for `max_new_tokens: null` before clamping
@@ -68,6 +70,9 @@ class GenerateSpec:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
+    return_top_p: bool = False  # slime's custom_params.return_top_p_token_ids
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     @property
     def stop_window(self) -> int:
@@ -165,7 +170,7 @@ def _check_context(n_input: int, requested: int | None, context_length: int) -> 
     return min(UNBOUNDED_NEW_TOKENS if requested is None else requested, max_req_len - n_input - 1)
 
 
-def parse_one(*, rid: str, input_ids: Any, params: Any, flags: dict[str, bool], backend: LMBackend,
+def parse_one(*, rid: str, input_ids: Any, params: Any, flags: dict[str, Any], backend: LMBackend,
               context_length: int) -> GenerateSpec:
     """Validate one request (one batch item) into a GenerateSpec, or raise RequestError."""
     if params is None:
@@ -197,6 +202,11 @@ def parse_one(*, rid: str, input_ids: Any, params: Any, flags: dict[str, bool], 
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise RequestError.message(f"sampling_seed must be a 64-bit integer, got {seed}.")
     ignore_eos = _typed(params, "ignore_eos", "bool", False)
+    custom = params.get("custom_params")
+    flags = {**flags, "return_top_p": isinstance(custom, dict) and bool(custom.get("return_top_p_token_ids"))}
+    start = flags.get("routed_experts_start_len", 0)
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(input_ids):
+        raise RequestError.message(f"routed_experts_start_len must be in [0, {len(input_ids)}), got {start!r}.")
     return GenerateSpec(
         rid=rid,
         input_ids=tuple(input_ids),
@@ -258,6 +268,8 @@ def parse_generate(body: Any, backend: LMBackend, context_length: int) -> tuple[
             "return_logprob": bool(logprob[i]),
             "return_text_in_logprobs": bool(body.get("return_text_in_logprobs")),
             "return_prompt_token_ids": bool(body.get("return_prompt_token_ids")),
+            "return_routed_experts": bool(body.get("return_routed_experts")),
+            "routed_experts_start_len": body.get("routed_experts_start_len") or 0,
         }
         specs.append(parse_one(rid=rids[i], input_ids=items[i], params=params[i], flags=flags, backend=backend,
                                context_length=context_length))
@@ -277,6 +289,11 @@ def output_text(backend: LMBackend, spec: GenerateSpec, output_ids: list[int], f
     return text
 
 
+def _b64_int32(values: list[int]) -> str:
+    """Base64 of int32 values, as SGLang (and slime's top-p patch) send arrays in meta_info."""
+    return base64.b64encode(array("i", values).tobytes()).decode("ascii")
+
+
 @attrs.define
 class GenerationResult:
     """What a finished request produced; `queued_abort` marks SGLang's reduced meta_info case."""
@@ -288,11 +305,19 @@ class GenerationResult:
     token_texts: list[str] | None
     prompt_tokens: int
     queued_abort: bool = False
+    top_p: list[list[int]] | None = None  # per output token, the ids the sampler could draw
 
 
 def build_response(spec: GenerateSpec, result: GenerationResult, *, weight_version: str,
-                   e2e_latency: float) -> dict[str, Any]:
-    """The SGLang response object, meta_info keys in SGLang 0.5.23's order."""
+                   e2e_latency: float, routed_experts: tuple[int, int] = (0, 0),
+                   top_p_replay: bool = True) -> dict[str, Any]:
+    """The SGLang response object, meta_info keys in SGLang 0.5.23's order.
+
+    `routed_experts` is (layers, top-k) of the synthetic router; (0, 0) when the server has none,
+    so a request asking for routed experts gets none, like SGLang started without
+    `--enable-return-routed-experts`. `top_p_replay=False` ignores slime's top-p replay request,
+    as stock SGLang (without slime's patch) does.
+    """
     completion = len(result.output_ids)
     meta: dict[str, Any] = {"id": spec.rid, "finish_reason": result.finish}
     if not result.queued_abort:  # an abort in the waiting queue reports a reduced meta_info
@@ -310,6 +335,18 @@ def build_response(spec: GenerateSpec, result: GenerationResult, *, weight_versi
     meta["completion_tokens"] = completion
     if not result.queued_abort:
         meta.update(cached_tokens=0, cached_tokens_details=None, dp_rank=0)
+    if top_p_replay and spec.return_top_p and result.top_p is not None:
+        offsets = [0]
+        for kept in result.top_p:
+            offsets.append(offsets[-1] + len(kept))
+        meta["top_p_token_ids"] = _b64_int32([t for kept in result.top_p for t in kept])
+        meta["top_p_token_offsets"] = _b64_int32(offsets)
+    layers, topk = routed_experts
+    if spec.return_routed_experts and layers and topk:
+        tokens = list(spec.input_ids) + list(result.output_ids)
+        start = spec.routed_experts_start_len
+        meta["routed_experts"] = _b64_int32(synthetic_routed_experts(tokens, start, layers, topk))
+        meta["routed_experts_start_len"] = start
     meta["weight_versions"] = [{"version": weight_version, "start": 0, "end": completion}]
     meta["e2e_latency"] = e2e_latency
     meta["response_sent_to_client_ts"] = time.time()

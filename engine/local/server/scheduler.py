@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from engine.local.server.model import LMBackend, reported_logprobs, sample_token
+from engine.local.server.model import LMBackend, kept_token_ids, reported_logprobs, sample_token
 from engine.local.server.protocol import GenerateSpec, GenerationResult, RequestError, output_text
 from engine.local.server.replay import ReplayScript
 
@@ -41,6 +41,7 @@ class _Job:
     generator: torch.Generator | None = None
     output_ids: list[int] = attrs.Factory(list)
     logprobs: list[tuple[float, int]] = attrs.Factory(list)
+    top_p: list[list[int]] = attrs.Factory(list)
 
 
 @attrs.define
@@ -214,6 +215,8 @@ class Scheduler:
         for i, token in enumerate(forced):
             job.output_ids.append(token)
             job.logprobs.append((float(logprobs[i, token]), token))
+            if spec.return_top_p:
+                job.top_p.append(kept_token_ids(logits[i], spec.sampler))
             finish = self._check_finish(job)
             if finish is not None:
                 self._finish(job, finish)
@@ -224,6 +227,8 @@ class Scheduler:
     def _advance(self, job: _Job) -> None:
         t0 = time.perf_counter()
         assert job.next_logits is not None and job.generator is not None
+        if job.spec.return_top_p:
+            job.top_p.append(kept_token_ids(job.next_logits, job.spec.sampler))
         token, logprob = sample_token(job.next_logits, job.spec.sampler, job.generator)
         job.output_ids.append(token)
         job.logprobs.append((logprob, token))
@@ -260,7 +265,7 @@ class Scheduler:
         result = GenerationResult(
             output_ids=job.output_ids, logprobs=job.logprobs, finish=finish, token_texts=token_texts,
             text=output_text(self.backend, spec, job.output_ids, finish), prompt_tokens=len(spec.input_ids),
-            queued_abort=queued)
+            queued_abort=queued, top_p=job.top_p[: len(job.output_ids)] if spec.return_top_p else None)
         self._deliver(job, result)
 
     def _deliver(self, job: _Job, outcome: GenerationResult | BaseException) -> None:

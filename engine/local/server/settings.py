@@ -42,6 +42,12 @@ class ServerSettings:
     max_running_requests: int = attrs.field(default=64, validator=v.gt(0))
     torch_threads: int = attrs.field(default=1, validator=v.gt(0))
     faults: str | None = attrs.field(default=None, validator=_valid_faults)
+    # Synthetic MoE routing (routing replay tests): layers and top-k of each routed-experts row;
+    # 0 answers no routed experts, like SGLang without --enable-return-routed-experts.
+    # Answer slime's custom_params.return_top_p_token_ids (its SGLang patch); False acts like stock SGLang.
+    top_p_replay: bool = True
+    routed_experts_layers: int = attrs.field(default=0, validator=v.ge(0))
+    routed_experts_topk: int = attrs.field(default=0, validator=[v.ge(0), v.le(64)])
 
 
 def fault_spec_argument(text: str) -> str:
@@ -100,6 +106,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name in /get_model_info (default: the model's)")
     parser.add_argument("--max-running-requests", metavar="N", type=whole(1), default=defaults.max_running_requests,
                         help="requests decoded together")
+    parser.add_argument("--no-top-p-replay", dest="top_p_replay", action="store_false", default=None,
+                        help="ignore custom_params.return_top_p_token_ids, as SGLang without slime's patch")
+    parser.add_argument("--routed-experts-layers", metavar="N", type=whole(0), default=0,
+                        help="answer return_routed_experts with synthetic rows of this many layers (0: never)")
+    parser.add_argument("--routed-experts-topk", metavar="K", type=whole(0), default=0, help="experts per layer in each routed row")
     parser.add_argument(
         "--faults", default=None, metavar="SPEC", type=fault_spec_argument,
         help="inject faults into /generate: a preset (default, none) and/or kind=rate pairs, e.g. "

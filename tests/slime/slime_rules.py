@@ -1,0 +1,80 @@
+"""What slime HEAD does with a sample after generate, written out so tests can follow its rules.
+
+From slime's code (see the project's slime-contract reference): `generate_and_rm` returns an
+ABORTED sample without a reward; its default synchronous loop then keeps that sample in the
+step's data, and reward post-processing / train-data conversion fails on `reward=None`. Only
+`abort()` (partial rollout) and the fully-async worker re-queue ABORTED groups. Any other
+status gets its reward, and conversion asserts per-token lengths, zeroes the loss mask of a
+`remove_sample` sample, checks top-p replay when slime asked for it, and the trainer asserts
+one routed-experts row per token but the last under routing replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from contextlib import contextmanager
+from collections.abc import Iterator
+from typing import Any
+
+from engine.slime import reward_func
+
+
+class StepDied(AssertionError):
+    """What slime's default loop would do with this sample: kill the training step."""
+
+
+def generate_and_rm(args: Any, sample: Any) -> Any:
+    """slime's reward step after generate: ABORTED gets no reward, anything else is scored."""
+    if sample.status.name != "ABORTED":
+        sample.reward = asyncio.run(reward_func(args, sample))
+    return sample
+
+
+def train_view(sample: Any, *, reward_key: str = "score", top_p_asked: bool = False,
+               routing_replay: bool = False) -> dict[str, Any]:
+    """slime's train-data conversion of one sample in the default synchronous loop."""
+    if sample.reward is None:
+        raise StepDied(f"{sample.status.name} sample with reward=None reached conversion")
+    reward = sample.reward[reward_key] if isinstance(sample.reward, dict) else sample.reward
+    float(reward)
+    n = sample.response_length
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+    if len(mask) != n or len(sample.rollout_log_probs) != n or n > len(sample.tokens):
+        raise StepDied("per-token lengths disagree")
+    if sample.remove_sample:
+        mask = [0] * n
+    if top_p_asked:
+        offsets = sample.rollout_top_p_token_offsets
+        if sample.rollout_top_p_token_ids is None or offsets is None or len(offsets) != n + 1:
+            raise StepDied("top-p replay asked for but missing or misaligned")
+    if routing_replay:
+        experts = sample.rollout_routed_experts
+        if experts is None or experts.shape[0] != len(sample.tokens) - 1:
+            raise StepDied("routed experts do not have one row per token but the last")
+    return {"tokens": sample.tokens, "loss_mask": mask, "reward": reward}
+
+
+@contextmanager
+def slime_aborting() -> Iterator[None]:
+    """slime's `GenerateState(args).aborted = True`, as its `abort()` sets it (a singleton)."""
+
+    class SingletonMeta(type):
+        _instances: dict[type, Any] = {}
+
+    class GenerateState(metaclass=SingletonMeta):
+        aborted = True
+
+    module = types.ModuleType("slime.rollout.sglang_rollout")
+    module.GenerateState = GenerateState  # type: ignore[attr-defined]
+    SingletonMeta._instances[GenerateState] = GenerateState()
+    saved = sys.modules.get(module.__name__)
+    sys.modules[module.__name__] = module
+    try:
+        yield
+    finally:
+        if saved is None:
+            sys.modules.pop(module.__name__, None)
+        else:
+            sys.modules[module.__name__] = saved
