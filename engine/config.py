@@ -19,7 +19,9 @@ class RetryPolicy:
     max_attempts: int = attrs.field(default=6, validator=_positive)
     base_delay: float = attrs.field(default=0.5, validator=_non_negative)
     max_delay: float = attrs.field(default=16.0, validator=_non_negative)
-    deadline: float = attrs.field(default=300.0, validator=_positive)  # seconds over all attempts
+    # Seconds over all attempts and the waits between them, the one in flight included. As long as
+    # the request timeout by default: a lower bound would cut long generations short.
+    deadline: float = attrs.field(default=1800.0, validator=_positive)
 
     def delay(self, attempt: int, rand: float) -> float:
         """Sleep before retry number `attempt` (1-based), given a uniform `rand` in [0, 1)."""
@@ -50,6 +52,9 @@ class EngineConfig:
     request_timeout: float = attrs.field(default=1800.0, validator=_positive)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     max_connections: int = attrs.field(default=512, validator=_positive)
+    # auto: aiohttp's transport under httpx's API when httpx-aiohttp is installed (and respx is
+    # not mocking httpx), else httpx's own. See engine.sglang.client.
+    http_transport: str = attrs.field(default="auto", validator=v.in_(("auto", "httpx", "aiohttp")))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     partial_rollout: bool = False
     mask_offpolicy: bool = False
@@ -77,9 +82,10 @@ class EngineConfig:
                 max_context = int(get("context_parallel_size", 1)) * int(per_gpu)
         tools = get("engine_tools", None)
         modules = get("engine_tool_modules", ())
+        request_timeout = float(get("engine_request_timeout", 1800.0))
         retry = RetryPolicy(
             max_attempts=int(get("engine_retry_attempts", 6)),
-            deadline=float(get("engine_retry_deadline", 300.0)),
+            deadline=float(get("engine_retry_deadline", request_timeout)),
             base_delay=float(get("engine_retry_base_delay", 0.5)),
         )
         concurrency = int(get("sglang_server_concurrency", 512))
@@ -97,8 +103,9 @@ class EngineConfig:
             tool_output_chars=int(get("engine_tool_output_chars", 8192)),
             tools=tuple(tools.split(",") if isinstance(tools, str) else tools) if tools else None,
             tool_modules=tuple(modules.split(",") if isinstance(modules, str) else modules),
-            request_timeout=float(get("engine_request_timeout", 1800.0)),
+            request_timeout=request_timeout,
             max_connections=concurrency * engines,
+            http_transport=str(get("engine_http_transport", "auto")),
             retry=retry,
             partial_rollout=bool(get("partial_rollout", False)),
             mask_offpolicy=bool(get("mask_offpolicy_in_partial_rollout", False)),

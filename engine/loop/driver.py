@@ -56,9 +56,8 @@ async def step_budget_check(rt: Runtime, r: Rollout) -> str:
 
 async def step_generate(rt: Runtime, r: Rollout) -> str:
     started = time.perf_counter()
-    outcome = await rt.client.generate(
-        r.traj.input_ids(), r.sampling_params, r.max_new_tokens, routing_key=r.routing_key
-    )
+    # The trajectory itself, so the client extends the sample's encoded body instead of re-encoding it.
+    outcome = await rt.client.generate(r.traj, r.sampling_params, r.max_new_tokens, routing_key=r.routing_key)
     r.generation_time += time.perf_counter() - started
     r.reply, r.turn = None, None
     if isinstance(outcome, Failure):
