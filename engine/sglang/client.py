@@ -51,7 +51,7 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 SHARD_CONNECTIONS = 4
 TRANSPORTS = ("auto", "httpx", "aiohttp")
 RETRY_AFTER_SPREAD = 0.1  # up to +10 %: samples told the same Retry-After do not all return at once
-PROBE_TIMEOUT = 5.0  # seconds for each model-info request at start-up
+PROBE_TIMEOUT = 5.0  # seconds for all model-info requests at start-up
 INFO_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
 VOCAB_PADDING = 1024  # embeddings are padded past the tokenizer (Qwen3: 267 ids); more means another model
 
@@ -341,8 +341,8 @@ class SGLangClient:
         return await asyncio.shield(self._vocab_probe)
 
     async def _probe_vocabulary(self) -> int | None:
-        try:
-            served = await self._served_vocabulary()
+        try:  # one bound for the whole probe: a server that drips must not hold the first samples long
+            served = await within(min(PROBE_TIMEOUT, self.request_timeout), self._served_vocabulary())
         except Exception as exc:  # no model info is no reason to fail: the tokenizer's bound stands
             log.debug("no vocabulary size from the server: %s", exc)
             served = None
@@ -354,7 +354,7 @@ class SGLangClient:
         """`vocab_size` from the first model-info endpoint that reports one, else None."""
         for path in INFO_PATHS:
             try:
-                response = await self.http.request("GET", self.base_url + path, limit=PROBE_TIMEOUT)
+                response = await self.http.request("GET", self.base_url + path)
             except Exception:  # connection refused, timeout, a mock that knows no such route
                 return None
             if response.status_code != 200:
