@@ -17,6 +17,7 @@ import time
 import pytest
 
 from engine import slime
+from engine.config import EngineConfig
 from engine.local.sample import Sample
 from tests.sglang.loopback import LoopbackServer, drip, send
 from tests.support.helpers import IM_END, SAMPLING, encode, make_args, reply_body
@@ -37,7 +38,9 @@ def roll(server: LoopbackServer, transport: str, **args) -> tuple[Sample, float]
                            engine_http_transport=transport, **args)
             started = time.monotonic()
             await slime.generate(ns, sample, dict(SAMPLING))
-            return time.monotonic() - started
+            took = time.monotonic() - started
+            await slime.runtime_for(EngineConfig.from_args(ns)).aclose()  # aiohttp warns of open sessions
+            return took
 
     return sample, asyncio.run(go())
 

@@ -1,0 +1,87 @@
+"""`engine_http_transport`: what each value builds, and a clear end for one that cannot be had."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import httpx
+import pytest
+import respx
+
+from engine import slime
+from engine.config import EngineConfig
+from engine.local.sample import Sample
+from engine.sglang import client as client_module
+from engine.sglang.client import HttpPool, make_http_client, resolve_transport, respx_active
+from tests.conftest import run
+from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, turn
+
+HAVE_AIOHTTP = importlib.util.find_spec("httpx_aiohttp") is not None
+needs_aiohttp = pytest.mark.skipif(not HAVE_AIOHTTP, reason="httpx-aiohttp is not installed")
+
+
+def pool_transport(cfg: EngineConfig) -> str:
+    async def build() -> str:
+        pool = make_http_client(cfg)
+        await pool.aclose()
+        return pool.transport
+
+    return asyncio.run(build())
+
+
+@needs_aiohttp
+def test_auto_takes_aiohttp_where_installed_and_httpx_while_respx_mocks() -> None:
+    assert not respx_active()
+    assert pool_transport(EngineConfig()) == "aiohttp"
+    with respx.mock():
+        assert respx_active()
+        assert pool_transport(EngineConfig()) == "httpx"
+    assert pool_transport(EngineConfig(http_transport="httpx")) == "httpx"
+    assert pool_transport(EngineConfig(http_transport="aiohttp")) == "aiohttp"
+
+
+def test_without_the_package_auto_falls_back_and_aiohttp_says_what_to_install(monkeypatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(client_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "httpx_aiohttp" else real(name, *a))
+    assert resolve_transport("auto") == "httpx"
+    with pytest.raises(ValueError, match="pip install httpx-aiohttp"):
+        resolve_transport("aiohttp")
+    sample = Sample(prompt="What is 1?", label="1")
+    run(slime.generate(make_args(engine_http_transport="aiohttp"), sample, dict(SAMPLING)))
+    fsm = sample.metadata["fsm"]
+    assert sample.status == Sample.Status.FAILED and fsm["termination_reason"] == "engine_setup_failed"
+    assert "httpx-aiohttp" in fsm["engine_error"]
+
+
+def test_an_unknown_transport_ends_the_sample_with_a_message() -> None:
+    sample = Sample(prompt="What is 1?", label="1")
+    run(slime.generate(make_args(engine_http_transport="carrier-pigeon"), sample, dict(SAMPLING)))
+    fsm = sample.metadata["fsm"]
+    assert fsm["termination_reason"] == "engine_setup_failed" and "carrier-pigeon" in fsm["engine_error"]
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_transport("carrier-pigeon")
+
+
+@pytest.mark.parametrize("transport", ["auto", "httpx"])
+def test_respx_mocked_samples_work_with_httpx_and_with_auto(fake_interpreter, transport: str) -> None:
+    server = ScriptedServer([turn("<code>\nprint(1)\n</code>"), turn("Answer: \\boxed{1}")])
+    sample = Sample(prompt="What is 1?", label="1")
+    with respx.mock(assert_all_called=False) as mock:
+        mock.post(URL + "/generate").mock(side_effect=server)
+        run(slime.generate(make_args(engine_http_transport=transport), sample, dict(SAMPLING)))
+    assert sample.status == Sample.Status.COMPLETED and len(server.requests) == 2
+    first, second = server.requests
+    assert second["input_ids"][: len(first["input_ids"])] == first["input_ids"]  # the body was extended
+
+
+def test_one_aiohttp_client_but_many_small_httpx_ones() -> None:
+    async def shards(transport: str) -> int:
+        pool = HttpPool(64, httpx.Timeout(5.0), transport=transport)
+        await pool.aclose()
+        return len(pool.shards)
+
+    assert asyncio.run(shards("httpx")) == 16
+    if HAVE_AIOHTTP:
+        assert asyncio.run(shards("aiohttp")) == 1
