@@ -52,9 +52,9 @@ class EngineConfig:
     request_timeout: float = attrs.field(default=1800.0, validator=_positive)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     max_connections: int = attrs.field(default=512, validator=_positive)
-    # auto: aiohttp's transport under httpx's API when httpx-aiohttp is installed (and respx is
-    # not mocking httpx), else httpx's own. See engine.sglang.client.
-    http_transport: str = attrs.field(default="auto", validator=v.in_(("auto", "httpx", "aiohttp")))
+    # httpx | aiohttp (httpx-aiohttp) | aiohttp_direct | auto: aiohttp_direct where aiohttp is
+    # installed and respx is not mocking httpx, else httpx. See engine.sglang.client.
+    http_transport: str = attrs.field(default="auto", validator=v.in_(("auto", "httpx", "aiohttp", "aiohttp_direct")))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     partial_rollout: bool = False
     mask_offpolicy: bool = False

@@ -1,8 +1,8 @@
 """Faults that live in the transport, on a real loopback socket, through `engine.slime.generate`.
 
 A server that drips headers or a body, a 429/503 with `Retry-After`, a redirect: each is
-played by `LoopbackServer` and each transport (httpx's own, aiohttp's under httpx's API)
-must end the sample within its time bounds, with its status code in `engine_error`.
+played by `LoopbackServer` and each transport (httpx's own, aiohttp's under httpx's API,
+aiohttp's client directly) must end the sample within its time bounds, with its status code in `engine_error`.
 Elapsed-time bounds here are correctness (the sample must not hang), with generous slack.
 """
 
@@ -22,8 +22,13 @@ from engine.local.sample import Sample
 from tests.sglang.loopback import LoopbackServer, drip, send
 from tests.support.helpers import IM_END, SAMPLING, encode, make_args, reply_body
 
-HAVE_AIOHTTP = importlib.util.find_spec("httpx_aiohttp") is not None
-TRANSPORTS = ["httpx", pytest.param("aiohttp", marks=pytest.mark.skipif(not HAVE_AIOHTTP, reason="httpx-aiohttp is not installed"))]
+HAVE_HTTPX_AIOHTTP = importlib.util.find_spec("httpx_aiohttp") is not None
+HAVE_AIOHTTP = importlib.util.find_spec("aiohttp") is not None
+TRANSPORTS = [
+    "httpx",
+    pytest.param("aiohttp", marks=pytest.mark.skipif(not HAVE_HTTPX_AIOHTTP, reason="httpx-aiohttp is not installed")),
+    pytest.param("aiohttp_direct", marks=pytest.mark.skipif(not HAVE_AIOHTTP, reason="aiohttp is not installed")),
+]
 ANSWER = reply_body(encode("Answer: \\boxed{1}") + [IM_END])
 SLACK = 1.5  # seconds on top of a bound: scheduling on a loaded 2-core machine, the vocabulary probe
 

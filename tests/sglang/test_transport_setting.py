@@ -17,8 +17,8 @@ from engine.sglang.client import HttpPool, make_http_client, resolve_transport, 
 from tests.conftest import run
 from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, turn
 
-HAVE_AIOHTTP = importlib.util.find_spec("httpx_aiohttp") is not None
-needs_aiohttp = pytest.mark.skipif(not HAVE_AIOHTTP, reason="httpx-aiohttp is not installed")
+HAVE_HTTPX_AIOHTTP = importlib.util.find_spec("httpx_aiohttp") is not None
+HAVE_AIOHTTP = importlib.util.find_spec("aiohttp") is not None
 
 
 def pool_transport(cfg: EngineConfig) -> str:
@@ -30,24 +30,26 @@ def pool_transport(cfg: EngineConfig) -> str:
     return asyncio.run(build())
 
 
-@needs_aiohttp
-def test_auto_takes_aiohttp_where_installed_and_httpx_while_respx_mocks() -> None:
+@pytest.mark.skipif(not (HAVE_AIOHTTP and HAVE_HTTPX_AIOHTTP), reason="aiohttp and httpx-aiohttp are not installed")
+def test_auto_takes_aiohttp_directly_where_installed_and_httpx_while_respx_mocks() -> None:
     assert not respx_active()
-    assert pool_transport(EngineConfig()) == "aiohttp"
+    assert pool_transport(EngineConfig()) == "aiohttp_direct"
     with respx.mock():
         assert respx_active()
         assert pool_transport(EngineConfig()) == "httpx"
-    assert pool_transport(EngineConfig(http_transport="httpx")) == "httpx"
-    assert pool_transport(EngineConfig(http_transport="aiohttp")) == "aiohttp"
+    for name in ("httpx", "aiohttp", "aiohttp_direct"):
+        assert pool_transport(EngineConfig(http_transport=name)) == name
 
 
-def test_without_the_package_auto_falls_back_and_aiohttp_says_what_to_install(monkeypatch) -> None:
+def test_without_the_packages_auto_falls_back_and_the_others_say_what_to_install(monkeypatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(client_module.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "httpx_aiohttp" else real(name, *a))
+                        lambda name, *a: None if name in ("httpx_aiohttp", "aiohttp") else real(name, *a))
     assert resolve_transport("auto") == "httpx"
     with pytest.raises(ValueError, match="pip install httpx-aiohttp"):
         resolve_transport("aiohttp")
+    with pytest.raises(ValueError, match="pip install aiohttp"):
+        resolve_transport("aiohttp_direct")
     sample = Sample(prompt="What is 1?", label="1")
     run(slime.generate(make_args(engine_http_transport="aiohttp"), sample, dict(SAMPLING)))
     fsm = sample.metadata["fsm"]
@@ -83,5 +85,7 @@ def test_one_aiohttp_client_but_many_small_httpx_ones() -> None:
         return len(pool.shards)
 
     assert asyncio.run(shards("httpx")) == 16
-    if HAVE_AIOHTTP:
+    if HAVE_HTTPX_AIOHTTP:
         assert asyncio.run(shards("aiohttp")) == 1
+    if HAVE_AIOHTTP:
+        assert asyncio.run(shards("aiohttp_direct")) == 1

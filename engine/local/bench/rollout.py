@@ -39,7 +39,9 @@ from engine.slime.sample_io import engine_metadata
 
 PROMPT = "What is 0.5 + 0.5? Check it with Python before you answer."
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1024, "no_stop_trim": True, "skip_special_tokens": False}
-ENGINE, ENGINE_HTTPX, BARE_HTTPX, BARE_CHOSEN, BARE_AIOHTTP = "engine", "engine_httpx", "bare_httpx", "bare_chosen", "bare_aiohttp"
+ENGINE, BARE_HTTPX, BARE_CHOSEN, BARE_AIOHTTP = "engine", "bare_httpx", "bare_chosen", "bare_aiohttp"
+ENGINE_HTTPX, ENGINE_AIOHTTP = "engine_httpx", "engine_aiohttp"
+ENGINE_ON = {ENGINE_HTTPX: "httpx", ENGINE_AIOHTTP: "aiohttp"}  # the engine on another transport than the chosen one
 
 
 def bench_config(url: str, *, turns: int, connections: int, tool_concurrency: int = 32, transport: str = "auto") -> EngineConfig:
@@ -186,6 +188,7 @@ async def capture_requests(cfg: EngineConfig, tokenizer: Any, tag: str) -> list[
     async def keep(request: httpx.Request) -> None:
         captured.append(request.content)  # bodies are bytes before hooks run
 
+    cfg = attrs.evolve(cfg, http_transport="httpx")  # the same bytes on any transport; httpx has the hooks
     http = make_http_client(cfg)
     http.add_event_hook("request", keep)
     rt = Runtime.create(cfg, tokenizer=tokenizer, http=http)
@@ -209,10 +212,18 @@ class Sides:
 
 
 def side_names(transport: str) -> list[str]:
-    """The engine and the three floors; the engine on httpx and the chosen floor when they differ from httpx."""
-    if transport == "httpx":
-        return [ENGINE, BARE_HTTPX, BARE_AIOHTTP]
-    return [ENGINE, ENGINE_HTTPX, BARE_HTTPX, BARE_CHOSEN, BARE_AIOHTTP]
+    """The engine on the chosen transport and on each other one installed, and the three floors."""
+    others = [name for name, t in ENGINE_ON.items() if t != transport and _installed(t)]
+    floors = [BARE_HTTPX] + ([BARE_CHOSEN] if transport != "httpx" else []) + [BARE_AIOHTTP]
+    return [ENGINE, *others, *floors]
+
+
+def _installed(transport: str) -> bool:
+    try:
+        resolve_transport(transport)
+    except ValueError:
+        return False
+    return True
 
 
 async def measure_sides(server: CannedServer, tokenizer: Any, *, scenario: str, samples: int, turns: int,
@@ -228,8 +239,9 @@ async def measure_sides(server: CannedServer, tokenizer: Any, *, scenario: str, 
         raise RuntimeError(f"the warm-up sample sent {len(payloads)} requests, expected {turns}")
     url = cfg.server_url + "/generate"
     engines = {ENGINE: Runtime.create(cfg, tokenizer=tokenizer)}
-    if ENGINE_HTTPX in names:
-        engines[ENGINE_HTTPX] = Runtime.create(cfg_httpx, tokenizer=tokenizer)
+    for name, transport in ENGINE_ON.items():
+        if name in names:
+            engines[name] = Runtime.create(attrs.evolve(cfg, http_transport=transport), tokenizer=tokenizer)
     pools = {BARE_HTTPX: make_http_client(cfg_httpx), BARE_CHOSEN: make_http_client(cfg)}
     aio = AiohttpFloor(connections)
 
@@ -299,9 +311,11 @@ async def rollout_figures(server: CannedServer, tokenizer: Any, sizes: Sizes) ->
         Figure("floor_aiohttp", "floor: bare aiohttp loop (bodies encoded once)", aio[cpu], "us", httpx_floor[cpu],
                "bare httpx loop", None, None, None, sizes.repeats),
     ]
-    if ENGINE_HTTPX in s:
-        figures.insert(3, Figure("rollout_cpu_httpx", "engine CPU per turn on httpx's own transport", s[ENGINE_HTTPX][cpu],
-                                 "us", httpx_floor[cpu], "bare httpx loop", None, None, None, sizes.repeats))
+    for name, transport in reversed(ENGINE_ON.items()):
+        if name in s:
+            figures.insert(3, Figure(f"rollout_cpu_{transport}", f"engine CPU per turn on the {transport} transport",
+                                     s[name][cpu], "us", httpx_floor[cpu], "bare httpx loop", None, None, None,
+                                     sizes.repeats))
     return figures
 
 
