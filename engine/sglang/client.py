@@ -215,13 +215,15 @@ class DirectClient:
     httpx's client machinery (request and URL objects, cookies, auth and redirect flows, byte
     streams) costs more CPU per request than aiohttp's whole client; this skips it. Redirects
     are never followed; the body is read whole; errors are aiohttp's (`HttpPool` retries them).
+    httpx event hooks still work: while one is registered, each request and response is also
+    built as an httpx object for it (a cost paid only then).
     """
 
     def __init__(self, connections: int, timeout: httpx.Timeout, tls: ssl.SSLContext) -> None:
         self.connections = connections
         self.tls = tls
         self.timeout = timeout
-        self.event_hooks: dict[str, list[Callable[..., Any]]] = {"request": [], "response": []}  # never called
+        self.event_hooks: dict[str, list[Callable[..., Any]]] = {"request": [], "response": []}
         self._session: Any = None
 
     def _open(self) -> Any:
@@ -237,10 +239,19 @@ class DirectClient:
         """Send and read the whole body."""
         if self._session is None:  # made on first use, inside the event loop
             self._session = self._open()
+        hooked = self.event_hooks["request"] or self.event_hooks["response"]
+        request = httpx.Request(method, url, content=content, json=json, headers=headers) if hooked else None
+        for hook in self.event_hooks["request"]:
+            await hook(request)
         async with self._session.request(method, url, data=content, json=json, headers=headers,
                                          allow_redirects=False) as response:
             body = await response.read()
-            return RawResponse(response.status, response.headers, body)
+            raw = RawResponse(response.status, response.headers, body)
+        if self.event_hooks["response"]:
+            as_httpx = httpx.Response(raw.status_code, headers=list(raw.headers.items()), content=body, request=request)
+            for hook in self.event_hooks["response"]:
+                await hook(as_httpx)
+        return raw
 
     async def post(self, url: str, **kwargs: Any) -> RawResponse:
         """POST through `request`."""

@@ -89,3 +89,29 @@ def test_one_aiohttp_client_but_many_small_httpx_ones() -> None:
         assert asyncio.run(shards("aiohttp")) == 1
     if HAVE_AIOHTTP:
         assert asyncio.run(shards("aiohttp_direct")) == 1
+
+
+@pytest.mark.skipif(not HAVE_AIOHTTP, reason="aiohttp is not installed")
+def test_httpx_event_hooks_see_every_request_and_reply_on_aiohttp_direct() -> None:
+    """The soak's wire recorder and the bench's request capture are httpx hooks."""
+    from tests.sglang.loopback import LoopbackServer, send
+
+    seen: list[tuple[str, object]] = []
+
+    async def on_request(request: httpx.Request) -> None:
+        seen.append(("request", request.content))
+
+    async def on_response(response: httpx.Response) -> None:
+        seen.append(("response", (response.status_code, await response.aread(), response.request.headers["x-k"])))
+
+    async def go() -> None:
+        async with LoopbackServer([send(200, b'{"a": 1}', {"X-Y": "z"})]) as server:
+            pool = HttpPool(4, httpx.Timeout(5.0), transport="aiohttp_direct")
+            pool.add_event_hook("request", on_request)
+            pool.add_event_hook("response", on_response)
+            response = await pool.post(server.url + "/generate", content=b"{}", headers={"X-K": "v"}, limit=5.0)
+            await pool.aclose()
+            assert (response.status_code, response.content, response.headers.get("x-y")) == (200, b'{"a": 1}', "z")
+
+    asyncio.run(go())
+    assert seen == [("request", b"{}"), ("response", (200, b'{"a": 1}', "v"))]
