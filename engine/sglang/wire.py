@@ -259,7 +259,8 @@ def _int32s(value: Any, what: str) -> list[int] | None:
             return array("i", raw).tolist()
         if not isinstance(value, list):
             raise TypeError(type(value).__name__)
-        return array("i", value).tolist()  # TypeError for non-ints, OverflowError past int32
+        array("i", value)  # TypeError for non-ints, OverflowError past int32
+        return value  # as sent: `check_ids` still sees a bool for what it is
     except (binascii.Error, TypeError, ValueError, OverflowError) as exc:
         raise _Unusable(MALFORMED, f"{what} is not a list of int32 ({type(exc).__name__})") from None
 
