@@ -101,7 +101,7 @@ class Runtime:
 def vocabulary_size(tokenizer: Any) -> int | None:
     """How many ids the tokenizer knows (added special tokens included); None if it cannot say."""
     try:
-        return int(len(tokenizer))
+        return len(tokenizer)
     except TypeError:
         size = getattr(tokenizer, "vocab_size", None)
         return size if isinstance(size, int) else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import email.utils
+import itertools
 import json
 import math
 import re
@@ -149,7 +150,7 @@ class RequestBody:
     checkpoint puts new ones in place) or a response that shrank or changed at the seam.
     """
 
-    __slots__ = ("_body", "_ids_end", "_prompt", "_response", "_encoded", "_last", "rebuilds")
+    __slots__ = ("_body", "_encoded", "_ids_end", "_last", "_prompt", "_response", "rebuilds")
 
     def __init__(self) -> None:
         self._body = b""
@@ -353,7 +354,7 @@ def _top_p(meta: dict[str, Any], count: int, vocab_size: int | None) -> tuple[li
         return None
     if kept is None or offsets is None or len(offsets) != count + 1 or offsets[0] != 0 or offsets[-1] != len(kept):
         raise _Unusable(LOGPROBS_MISMATCH, "top-p replay does not match the ids")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
+    if any(b < a for a, b in itertools.pairwise(offsets)):
         raise _Unusable(LOGPROBS_MISMATCH, "top-p replay offsets go backwards")
     check_ids(kept, vocab_size, "top-p replay ids")
     return kept, offsets

@@ -20,11 +20,10 @@ import sys
 import tracemalloc
 from typing import Any
 
-from engine.machine import actions as a
+from engine.config import EngineConfig, RetryPolicy
 from engine.local.bench.common import Figure, Sizes
-from engine.config import EngineConfig
+from engine.machine import actions as a
 from engine.machine.rollout import Rollout
-from engine.config import RetryPolicy
 from engine.sglang.client import SGLangClient
 from engine.sglang.wire import parse_reply
 
