@@ -44,7 +44,9 @@ class RetryPolicy:
     max_attempts: int = attrs.field(default=6, validator=_positive)
     base_delay: float = attrs.field(default=0.5, validator=_non_negative)
     max_delay: float = attrs.field(default=16.0, validator=_non_negative)
-    deadline: float = attrs.field(default=300.0, validator=_positive)  # seconds over all attempts
+    # Seconds over all attempts and the waits between them, the one in flight included. As long as
+    # the request timeout by default: a lower bound would cut long generations short.
+    deadline: float = attrs.field(default=1800.0, validator=_positive)
 
     def delay(self, attempt: int, rand: float) -> float:
         """Sleep before retry number `attempt` (1-based), given a uniform `rand` in [0, 1)."""
@@ -191,9 +193,10 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
     Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
     Setting("engine_retry_attempts", int, 6, "attempts per request (1: no retry)", low=1, high=1000),
-    Setting("engine_retry_deadline", float, 300.0, "seconds over all attempts of one request", low=0, high=7 * DAY, above_low=True),
+    Setting("engine_retry_deadline", float, None, "seconds over all attempts of one request, the one in flight included (default: the request timeout)", low=0, high=7 * DAY, above_low=True),
     Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
     Setting("engine_retry_max_delay", float, 16.0, "longest backoff", low=0, high=3600),
+    Setting("engine_http_transport", str, "auto", "the HTTP client: auto (aiohttp's where installed, else httpx), httpx, aiohttp (httpx over httpx-aiohttp), aiohttp_direct", choices=("auto", "httpx", "aiohttp", "aiohttp_direct")),
     Setting("engine_gc_freeze", bool, True, "gc.freeze() long-lived objects once at start-up"),
     Setting("engine_abort_status", str, "retry", "a sample whose attempt failed: re-run it (retry), or hand ABORTED back at once (aborted, for a caller that re-queues)", choices=("retry", "aborted")),
     Setting("engine_sample_attempts", int, 3, "attempts of one sample before it ends FAILED with remove_sample", low=1, high=1000),
@@ -308,6 +311,9 @@ class EngineConfig:
     request_timeout: float = attrs.field(default=1800.0, validator=_positive)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     max_connections: int = attrs.field(default=512, validator=_positive)
+    # httpx | aiohttp (httpx-aiohttp) | aiohttp_direct | auto: aiohttp_direct where aiohttp is
+    # installed and respx is not mocking httpx, else httpx. See engine.sglang.client.
+    http_transport: str = attrs.field(default="auto", validator=v.in_(("auto", "httpx", "aiohttp", "aiohttp_direct")))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     partial_rollout: bool = False
     mask_offpolicy: bool = False
@@ -372,8 +378,10 @@ class EngineConfig:
         base, top = get("engine_retry_base_delay"), get("engine_retry_max_delay")
         if top < base:
             raise SettingsError(f"engine_retry_max_delay ({top:g}) must be >= engine_retry_base_delay ({base:g})")
-        retry = RetryPolicy(max_attempts=get("engine_retry_attempts"), deadline=get("engine_retry_deadline"),
-                            base_delay=base, max_delay=top)
+        request_timeout = get("engine_request_timeout")
+        deadline = get("engine_retry_deadline")  # unset: the request timeout (a long generation is not cut)
+        retry = RetryPolicy(max_attempts=get("engine_retry_attempts"),
+                            deadline=request_timeout if deadline is None else deadline, base_delay=base, max_delay=top)
         engines = max(1, get("rollout_num_gpus") // get("rollout_num_gpus_per_engine"))
         connections = get("sglang_server_concurrency") * engines
         if connections > MAX_CONNECTIONS:
@@ -394,9 +402,10 @@ class EngineConfig:
             tool_output_chars=get("engine_tool_output_chars"),
             tools=tools if tools else None,
             tool_modules=get("engine_tool_modules"),
-            request_timeout=get("engine_request_timeout"),
+            request_timeout=request_timeout,
             connect_timeout=get("engine_connect_timeout"),
             max_connections=connections,
+            http_transport=get("engine_http_transport"),
             retry=retry,
             partial_rollout=get("partial_rollout"),
             mask_offpolicy=get("mask_offpolicy_in_partial_rollout"),

@@ -31,6 +31,8 @@ REASON_STATUS: dict[str, str] = {
     "reply_malformed": "ABORTED",
     "logprobs_missing": "ABORTED",
     "logprobs_mismatch": "ABORTED",
+    "logprobs_invalid": "ABORTED",  # a logprob that is not finite and <= 0
+    "ids_out_of_vocab": "ABORTED",  # an id that is not an integer inside the vocabulary
     "server_aborted": "ABORTED",
     "top_p_replay_dropped": "ABORTED",
     "request_failed": "ABORTED",

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import os
 import re
 import resource
@@ -52,12 +53,12 @@ PARAMS = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, "no_stop_trim
 SHOWN = 10  # problems printed in full; the rest are counted
 
 
-def usable_reply(content: bytes) -> tuple[list[int], list[float]] | None:
+def usable_reply(content: bytes, vocab_size: int = 2**31) -> tuple[list[int], list[float]] | None:
     """The (ids, logprobs) of a 200 `/generate` body a trainer could use, else None.
 
     Written from the wire format, not with `engine.sglang.wire`, so the check does not lean on the
     code it checks: meta_info with a known finish reason, `[logprob, id, ...]` entries that
-    agree with `output_ids`, and logprobs that are log-probabilities.
+    agree with `output_ids`, ids inside the vocabulary and logprobs that are finite log-probabilities.
     """
     try:
         data = json.loads(content)
@@ -76,7 +77,9 @@ def usable_reply(content: bytes) -> tuple[list[int], list[float]] | None:
     except (TypeError, ValueError, IndexError):
         return None
     output_ids = data.get("output_ids")
-    if output_ids is not None and list(output_ids) != ids or not all(lp <= 0.0 for lp in logprobs):
+    if output_ids is not None and list(output_ids) != ids or not all(-math.inf < lp <= 0.0 for lp in logprobs):
+        return None  # NaN fails the comparison too
+    if not all(0 <= i < vocab_size for i in ids):
         return None
     return ids, logprobs
 

@@ -58,10 +58,11 @@ async def step_reset(rt: Runtime, r: Rollout) -> str:
 async def step_generate(rt: Runtime, r: Rollout) -> str:
     """One `/generate` request; the reply's text is decoded once and parsed."""
     started = time.perf_counter()
-    input_ids = r.traj.input_ids()
+    input_length = r.traj.total_length
     experts_start = r.traj.routed_rows if r.traj.experts is not None else None
+    # The trajectory itself, so the client extends the sample's encoded body instead of re-encoding it.
     outcome = await rt.client.generate(
-        input_ids, r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key,
+        r.traj, r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key,
         routed_experts_start=experts_start,
     )
     r.record.generation_time += time.perf_counter() - started
@@ -69,7 +70,7 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
         r.turn = TurnScratch()
         r.record.error = f"{outcome.kind}: {outcome.message}"
         return FAILURE_TRIGGERS[outcome.kind]
-    outcome = check_reply(r, outcome, len(input_ids), experts_start)
+    outcome = check_reply(r, outcome, input_length, experts_start)
     r.record.call_stats.append(outcome.stats)
     r.turn = TurnScratch(reply=outcome)
     if outcome.problem is None:

@@ -114,7 +114,8 @@ class Runtime:
         if cfg.gc_freeze:
             freeze_long_lived_objects()
         http = http if http is not None else make_http_client(cfg)
-        client = SGLangClient(cfg.server_url, http, cfg.retry)
+        client = SGLangClient(cfg.server_url, http, cfg.retry, request_timeout=cfg.request_timeout,
+                              vocab_size=vocabulary_size(tok))
         return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg), abort_check=abort_check)
 
     def tool_schemas(
@@ -139,6 +140,15 @@ class Runtime:
 
     async def aclose(self) -> None:
         await self.client.http.aclose()
+
+
+def vocabulary_size(tokenizer: Any) -> int | None:
+    """How many ids the tokenizer knows (added special tokens included); None if it cannot say."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        size = getattr(tokenizer, "vocab_size", None)
+        return size if isinstance(size, int) else None
 
 
 _frozen = False

@@ -2,139 +2,467 @@
 
 `SGLangClient.generate` returns a `Reply` or a `Failure`; it raises only on cancellation.
 Transient failures (connect/read errors, timeouts, 408, 429, 5xx, a body that is not
-JSON) are retried with exponential backoff and full jitter, bounded in attempts and in
-total time. Other 4xx are final: a context-length 400 becomes `context_exceeded`.
+JSON) are retried with exponential backoff and full jitter, or after the server's
+`Retry-After`. Time is bounded twice: one attempt, connect to last byte, by the request
+timeout; all attempts and the waits between them, the one in flight included, by the
+retry deadline. A server that drips bytes therefore cannot hold a sample past either.
+Other 4xx are final (a context-length 400 becomes `context_exceeded`); a 3xx is reported
+as a redirect and not followed. Every failure after a response records its status.
+
+The transport is chosen by `engine_http_transport`:
+- `httpx`: httpx's own (httpcore), on many small clients (see `HttpPool`);
+- `aiohttp`: aiohttp's transport under httpx's client (PyPI `httpx-aiohttp`);
+- `aiohttp_direct`: aiohttp's client alone, behind the three calls the pool makes;
+- `auto` (the default): `aiohttp_direct` where aiohttp is installed, except while respx mocks
+  httpx (respx patches httpcore, which neither aiohttp path calls), else `httpx`.
+Why that default: per request on a loopback server, httpx's client machinery costs more CPU
+than aiohttp's whole client (bench, 64 x 4 turns: the engine 945 us/turn on httpx, 608 on
+httpx-aiohttp, 375 on aiohttp directly); the engine reads only status, headers and body, so
+nothing of httpx's API is lost to it, and respx-mocked tests keep httpx by themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import importlib.util
 import logging
 import math
 import random
 import ssl
-from collections.abc import Callable
-from typing import Any
+import sys
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import httpx
 
 from engine.config import EngineConfig, RetryPolicy
-from engine.sglang.wire import Failure, Reply, error_message, generate_payload, is_context_error, parse_reply
+from engine.sglang.wire import (
+    Failure,
+    Reply,
+    RequestBody,
+    error_message,
+    is_context_error,
+    loads,
+    parse_reply,
+    retry_after_seconds,
+)
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 ROUTING_HEADER = "X-SMG-Routing-Key"
 SHARD_CONNECTIONS = 4
+TRANSPORTS = ("auto", "httpx", "aiohttp", "aiohttp_direct")
+RETRY_AFTER_SPREAD = 0.1  # up to +10 %: samples told the same Retry-After do not all return at once
+PROBE_TIMEOUT = 5.0  # seconds for all model-info requests at start-up
+INFO_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
+VOCAB_PADDING = 1024  # embeddings are padded past the tokenizer (Qwen3: 267 ids); more means another model
+
+T = TypeVar("T")
+
+
+class RequestTimeout(httpx.TimeoutException):
+    """The whole request (connect to last byte) took longer than its budget."""
+
+
+async def within(seconds: float, awaitable: Awaitable[T]) -> T:
+    """Await with one deadline for all of it; raises `TimeoutError` when it passes."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:  # Python 3.10
+        return await asyncio.wait_for(awaitable, seconds)
+    async with timeout(seconds):
+        return await awaitable
+
+
+def respx_active() -> bool:
+    """True while a respx mock patches httpx (checked without importing respx)."""
+    if "respx" not in sys.modules:
+        return False
+    try:
+        from respx.mocks import Mocker
+
+        return any(mocker.routers for mocker in Mocker.registry.values())
+    except Exception:  # another respx version: assume it may be mocking
+        return True
+
+
+def resolve_transport(name: str) -> str:
+    """The transport a setting value gives (`auto` resolved); ValueError with the fix when it cannot be had."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"engine_http_transport must be one of {', '.join(TRANSPORTS)}, not {name!r}")
+    if name == "aiohttp" and importlib.util.find_spec("httpx_aiohttp") is None:
+        raise ValueError("engine_http_transport=aiohttp needs the package httpx-aiohttp (pip install httpx-aiohttp)")
+    if name == "aiohttp_direct" and importlib.util.find_spec("aiohttp") is None:
+        raise ValueError("engine_http_transport=aiohttp_direct needs the package aiohttp (pip install aiohttp)")
+    if name == "auto":
+        return "aiohttp_direct" if importlib.util.find_spec("aiohttp") is not None and not respx_active() else "httpx"
+    return name
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of a request that mean "try again": httpx's, and aiohttp's it does not map."""
+    errors: tuple[type[BaseException], ...] = (httpx.RequestError,)
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        errors += (aiohttp.ClientError,)
+    return errors
 
 
 class HttpPool:
-    """Many small httpx clients instead of one big one, for every sample of an event loop.
+    """Every HTTP request of one event loop's samples, on one of two transports.
 
-    httpcore's pool does work proportional to its size whenever a request starts or ends
-    (a `poll()` per idle connection, a scan of every connection). With one client of 256
-    connections that is ~2 ms of CPU per request; with 64 clients of 4 it is ~0.7 ms
-    (measured side by side against a loopback server). Requests beyond the pool's size
-    wait on one semaphore, which wakes one waiter per free connection, not in httpcore's
-    queue, which is rescanned on every event.
+    httpx's own transport: many small clients instead of one big one. httpcore's pool does
+    work proportional to its size whenever a request starts or ends (a `poll()` per idle
+    connection, a scan of every connection). With one client of 256 connections that is
+    ~2 ms of CPU per request; with 64 clients of 4 it is ~0.7 ms. aiohttp's transport: one
+    client, as aiohttp's connector does constant work per request. Requests beyond the
+    pool's size wait on one semaphore, which wakes one waiter per free connection.
     """
 
-    def __init__(self, max_connections: int, timeout: httpx.Timeout, per_shard: int = SHARD_CONNECTIONS) -> None:
-        count = max(1, math.ceil(max_connections / per_shard))
-        limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
-        # One TLS context for all shards: httpx builds one per client otherwise, loading the CA
+    def __init__(
+        self, max_connections: int, timeout: httpx.Timeout, per_shard: int = SHARD_CONNECTIONS, transport: str = "httpx"
+    ) -> None:
+        self.transport = resolve_transport(transport)
+        # One TLS context for all clients: httpx builds one per client otherwise, loading the CA
         # bundle each time (~15 ms and ~0.7 MiB per shard: 2 s and 90 MiB at 512 connections).
         tls = ssl.create_default_context()
-        # trust_env=False: never route loopback or cluster traffic through a proxy from the env
-        self.shards = [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=tls)
-                       for _ in range(count)]
-        self._free = [i for i in range(count) for _ in range(per_shard)]  # one entry per connection
+        if self.transport == "aiohttp_direct":
+            per_shard = max(1, max_connections)
+            self.shards = [DirectClient(per_shard, timeout, tls)]  # type: ignore[list-item]
+        elif self.transport == "aiohttp":
+            per_shard = max(1, max_connections)
+            self.shards = [_aiohttp_client(per_shard, timeout, tls)]
+        else:
+            count = max(1, math.ceil(max_connections / per_shard))
+            limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
+            # trust_env=False: never route loopback or cluster traffic through a proxy from the env
+            self.shards = [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=tls)
+                           for _ in range(count)]
+        self._free = [i for i in range(len(self.shards)) for _ in range(per_shard)]  # one entry per connection
         self._gate = asyncio.Semaphore(len(self._free))
+        if self.transport != "httpx":
+            import aiohttp  # noqa: F401  # loaded now, so its errors are among the transient ones
+        self._errors = _transient_errors()
 
-    async def post(self, url: str, **kwargs: Any) -> httpx.Response:
-        """POST on a shard with a free connection; returns with the body read."""
+    async def request(self, method: str, url: str, *, limit: float | None = None, **kwargs: Any) -> httpx.Response:
+        """A request on a client with a free connection; returns with the body read.
+
+        `limit` bounds the whole request in seconds once it holds a connection, from connect
+        to the body's last byte (httpx's own timeouts are per read: a server dripping a byte
+        at a time never trips them). Raises `RequestTimeout` when it passes.
+        """
         async with self._gate:
             shard = self._free.pop()  # the gate guarantees one; LIFO reuses warm connections
             try:
-                return await self.shards[shard].post(url, **kwargs)
+                send = self.shards[shard].request(method, url, **kwargs)
+                if limit is None:
+                    return await send
+                try:
+                    return await within(max(limit, 0.0), send)
+                except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
+                    raise RequestTimeout(f"no complete reply within {limit:.3g}s (connect to last byte)") from None
             finally:
                 self._free.append(shard)
 
+    async def post(self, url: str, *, limit: float | None = None, **kwargs: Any) -> httpx.Response:
+        """POST through `request`."""
+        return await self.request("POST", url, limit=limit, **kwargs)
+
     def add_event_hook(self, kind: str, hook: Callable[..., Any]) -> None:
-        """An httpx event hook ("request" or "response") on every shard."""
+        """An httpx event hook ("request" or "response") on every client."""
         for client in self.shards:
             client.event_hooks[kind].append(hook)
 
+    @property
+    def transient_errors(self) -> tuple[type[BaseException], ...]:
+        """What a failed request may raise that is worth a retry."""
+        return self._errors
+
     async def aclose(self) -> None:
+        """Close every client and its connections."""
         for client in self.shards:
             await client.aclose()
 
 
+def _aiohttp_client(connections: int, timeout: httpx.Timeout, tls: ssl.SSLContext) -> httpx.AsyncClient:
+    """One httpx client whose requests go through an aiohttp session of `connections` connections."""
+    import aiohttp
+    from httpx_aiohttp import AiohttpTransport
+
+    def session() -> aiohttp.ClientSession:  # made on first use, inside the event loop
+        connector = aiohttp.TCPConnector(limit=connections, ssl=tls, keepalive_timeout=5.0)
+        return aiohttp.ClientSession(connector=connector, trust_env=False)
+
+    transport = AiohttpTransport(verify=tls, trust_env=False, client=session)
+    return httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
+
+
+@attrs.frozen
+class RawResponse:
+    """The part of `httpx.Response` the engine reads: status, headers (case-insensitive), body."""
+
+    status_code: int
+    headers: Any
+    content: bytes
+
+
+class DirectClient:
+    """aiohttp's client behind the few calls `HttpPool` makes of an `httpx.AsyncClient`.
+
+    httpx's client machinery (request and URL objects, cookies, auth and redirect flows, byte
+    streams) costs more CPU per request than aiohttp's whole client; this skips it. Redirects
+    are never followed; the body is read whole; errors are aiohttp's (`HttpPool` retries them).
+    httpx event hooks still work: while one is registered, each request and response is also
+    built as an httpx object for it (a cost paid only then).
+    """
+
+    def __init__(self, connections: int, timeout: httpx.Timeout, tls: ssl.SSLContext) -> None:
+        self.connections = connections
+        self.tls = tls
+        self.timeout = timeout
+        self.event_hooks: dict[str, list[Callable[..., Any]]] = {"request": [], "response": []}
+        self._session: Any = None
+
+    def _open(self) -> Any:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=self.connections, ssl=self.tls, keepalive_timeout=5.0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout.connect, sock_read=self.timeout.read)
+        # auto_decompress off: SGLang sends plain JSON; a compressed reply is no reason to inflate bombs
+        return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False, auto_decompress=False)
+
+    async def request(self, method: str, url: str, *, content: bytes | None = None, json: Any = None,
+                      headers: dict[str, str] | None = None) -> RawResponse:
+        """Send and read the whole body."""
+        if self._session is None:  # made on first use, inside the event loop
+            self._session = self._open()
+        hooked = self.event_hooks["request"] or self.event_hooks["response"]
+        request = httpx.Request(method, url, content=content, json=json, headers=headers) if hooked else None
+        for hook in self.event_hooks["request"]:
+            await hook(request)
+        async with self._session.request(method, url, data=content, json=json, headers=headers,
+                                         allow_redirects=False) as response:
+            body = await response.read()
+            raw = RawResponse(response.status, response.headers, body)
+        if self.event_hooks["response"]:
+            as_httpx = httpx.Response(raw.status_code, headers=list(raw.headers.items()), content=body, request=request)
+            for hook in self.event_hooks["response"]:
+                await hook(as_httpx)
+        return raw
+
+    async def post(self, url: str, **kwargs: Any) -> RawResponse:
+        """POST through `request`."""
+        return await self.request("POST", url, **kwargs)
+
+    async def aclose(self) -> None:
+        """Close the session and its connections."""
+        if self._session is not None:
+            await self._session.close()
+
+
 def make_http_client(cfg: EngineConfig) -> HttpPool:
-    """The connection pool of one event loop's samples, sized and timed by the settings."""
-    return HttpPool(cfg.max_connections, httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout))
+    """The connection pool of one event loop's samples, sized, timed and carried as the settings say."""
+    timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
+    return HttpPool(cfg.max_connections, timeout, transport=cfg.http_transport)
+
+
+class TokenSource(Protocol):
+    """What `generate` reads ids from: a sample's prompt and response arrays (a `Trajectory`)."""
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+
+
+@attrs.frozen
+class _Transient:
+    """A failure worth retrying: what happened, the status if a response came, its Retry-After."""
+
+    message: str
+    status: int | None = None
+    retry_after: float | None = None
 
 
 class SGLangClient:
     """Posts token-in/token-out `/generate` requests to an SGLang server or router."""
 
-    def __init__(self, base_url: str, http: HttpPool, retry: RetryPolicy, *, rng: random.Random | None = None) -> None:
-        self.url = base_url.rstrip("/") + "/generate"
+    def __init__(
+        self,
+        base_url: str,
+        http: HttpPool,
+        retry: RetryPolicy,
+        *,
+        request_timeout: float = 1800.0,
+        vocab_size: int | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.url = self.base_url + "/generate"
         self.http = http
         self.retry = retry
+        self.request_timeout = request_timeout
+        self.tokenizer_vocab = vocab_size  # the tokenizer's size; the server's may narrow it
         self._rng = rng or random.Random()
         self.retries_spent = 0  # over the client's life, for soak reports
+        self._vocab: int | None = vocab_size
+        self._vocab_checked = False
+        self._vocab_probe: asyncio.Future[int | None] | None = None
+        # One body per sample, kept with its trajectory and gone with it.
+        self._bodies: weakref.WeakKeyDictionary[Any, RequestBody] = weakref.WeakKeyDictionary()
 
     async def generate(
         self,
-        input_ids: list[int],
+        input_ids: Sequence[int] | TokenSource,
         sampling_params: dict[str, Any],
         max_new_tokens: int | None,
         *,
         routing_key: str | None = None,
-        rid: str | None = None,
         routed_experts_start: int | None = None,
     ) -> Reply | Failure:
         """One generation turn, retried while the failure is transient.
 
+        `input_ids` is the ids to send, or a sample's trajectory: then its body is encoded once
+        and only each turn's new ids are appended (the prompt is never encoded again).
         `routed_experts_start` asks for routed experts (routing replay) from that row on.
         """
-        payload = generate_payload(input_ids, sampling_params, max_new_tokens, rid, routed_experts_start)
-        headers = {ROUTING_HEADER: str(routing_key)} if routing_key else None
+        body = self.body(input_ids, sampling_params, max_new_tokens, routed_experts_start)
+        headers = {"Content-Type": "application/json"}
+        if routing_key:
+            headers[ROUTING_HEADER] = str(routing_key)
+        vocab = self._vocab if self._vocab_checked else await self.vocabulary()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry.deadline
         attempt = 0
         while True:
             attempt += 1
-            outcome = await self._post_once(payload, headers)
-            if isinstance(outcome, (Reply, Failure)):
-                return attrs.evolve(outcome, attempts=attempt) if isinstance(outcome, Failure) else outcome
-            last_error = outcome  # a message: transient
-            delay = self.retry.delay(attempt, self._rng.random())
-            if attempt >= self.retry.max_attempts or loop.time() + delay > deadline:
-                return Failure("unavailable", f"gave up after {attempt} attempt(s): {last_error}", attempts=attempt)
+            budget = min(self.request_timeout, deadline - loop.time())
+            outcome = await self._post_once(body, headers, budget, vocab)
+            if isinstance(outcome, Reply):
+                return outcome
+            if isinstance(outcome, Failure):
+                return attrs.evolve(outcome, attempts=attempt)
+            delay = self._delay(attempt, outcome)
+            left = deadline - loop.time()
+            if attempt >= self.retry.max_attempts or delay >= left:
+                why = f"gave up after {attempt} attempt(s)"
+                if attempt < self.retry.max_attempts:
+                    asked = f"the server asked for {outcome.retry_after:.3g}s, " if outcome.retry_after is not None else ""
+                    why += f" ({asked}{max(left, 0.0):.3g}s left of the {self.retry.deadline:g}s retry deadline)"
+                return Failure("unavailable", f"{why}: {outcome.message}", outcome.status, attempts=attempt)
             self.retries_spent += 1
-            log.debug("retrying /generate in %.2fs after: %s", delay, last_error)
+            log.debug("retrying /generate in %.2fs after: %s", delay, outcome.message)
             await asyncio.sleep(delay)
 
-    async def _post_once(self, payload: dict[str, Any], headers: dict[str, str] | None) -> Reply | Failure | str:
-        """One POST. Returns a final outcome, or a string describing a transient failure."""
+    def body(
+        self, input_ids: Sequence[int] | TokenSource, sampling_params: dict[str, Any], max_new_tokens: int | None,
+        routed_experts_start: int | None = None,
+    ) -> bytes:
+        """The request body's bytes; extended from the sample's previous one when there is one."""
+        prompt = getattr(input_ids, "prompt_ids", None)
+        response = getattr(input_ids, "response_ids", None)
+        if prompt is None or response is None:
+            return RequestBody().render(input_ids, (), sampling_params, max_new_tokens, routed_experts_start)  # type: ignore[arg-type]
         try:
-            response = await self.http.post(self.url, json=payload, headers=headers)
-        except httpx.TransportError as exc:  # connect, read, write, pool, protocol, timeouts
-            return f"{type(exc).__name__}: {exc}"
+            cached = self._bodies.get(input_ids)
+            if cached is None:
+                cached = self._bodies[input_ids] = RequestBody()
+        except TypeError:  # not weak-referenceable: no body to extend
+            cached = RequestBody()
+        return cached.render(prompt, response, sampling_params, max_new_tokens, routed_experts_start)
+
+    def _delay(self, attempt: int, outcome: _Transient) -> float:
+        """Backoff with full jitter, or the server's Retry-After spread by up to 10 %."""
+        rand = self._rng.random()
+        if outcome.retry_after is not None:
+            return outcome.retry_after * (1.0 + RETRY_AFTER_SPREAD * rand)
+        return self.retry.delay(attempt, rand)
+
+    async def _post_once(
+        self, body: bytes, headers: dict[str, str], budget: float, vocab: int | None
+    ) -> Reply | Failure | _Transient:
+        """One POST. Returns a final outcome, or a `_Transient` describing a retryable failure."""
+        if budget <= 0:
+            return _Transient("no time left for another attempt")
+        try:
+            response = await self.http.post(self.url, content=body, headers=headers, limit=budget)
+        except self.http.transient_errors as exc:  # connect, read, write, pool, protocol, timeouts
+            return _Transient(f"{type(exc).__name__}: {exc}")
         status = response.status_code
         if status in RETRY_STATUSES:
-            return f"HTTP {status}: {error_message(response.content)}"
+            wait = retry_after_seconds(response.headers.get("retry-after"), time.time())
+            return _Transient(f"HTTP {status}: {error_message(response.content)}", status, wait)
+        if 300 <= status < 400:
+            where = response.headers.get("location", "")[:300]
+            return Failure("rejected", f"HTTP {status} redirect to {where!r}, not followed: point the engine's "
+                           "server URL at the server itself", status)
         if status != 200:
             message = error_message(response.content)
             kind = "context_exceeded" if is_context_error(status, message) else "rejected"
-            return Failure(kind, message, status)
+            return Failure(kind, f"HTTP {status}: {message}", status)
         try:
-            data = json.loads(response.content)
+            data = loads(response.content)
         except ValueError:
-            return f"body is not JSON: {response.content[:80]!r}"
-        return parse_reply(data)
+            return _Transient(f"HTTP 200 but the body is not JSON: {response.content[:80]!r}", status)
+        return parse_reply(data, vocab)
 
+    async def vocabulary(self) -> int | None:
+        """The bound on ids: the tokenizer's size, cross-checked once with the server's model info."""
+        if self._vocab_checked:
+            return self._vocab
+        if self._vocab_probe is None:
+            self._vocab_probe = asyncio.ensure_future(self._probe_vocabulary())
+        # Shielded: a sample cancelled while waiting must not cancel the probe the others share.
+        return await asyncio.shield(self._vocab_probe)
+
+    async def _probe_vocabulary(self) -> int | None:
+        try:  # one bound for the whole probe: a server that drips must not hold the first samples long
+            served = await within(min(PROBE_TIMEOUT, self.request_timeout), self._served_vocabulary())
+        except Exception as exc:  # no model info is no reason to fail: the tokenizer's bound stands
+            log.debug("no vocabulary size from the server: %s", exc)
+            served = None
+        self._vocab = settle_vocabulary(self.tokenizer_vocab, served)
+        self._vocab_checked = True
+        return self._vocab
+
+    async def _served_vocabulary(self) -> int | None:
+        """`vocab_size` from the first model-info endpoint that reports one, else None."""
+        for path in INFO_PATHS:
+            try:
+                response = await self.http.request("GET", self.base_url + path)
+            except Exception:  # connection refused, timeout, a mock that knows no such route
+                return None
+            if response.status_code != 200:
+                continue
+            try:
+                size = find_vocab_size(loads(response.content))
+            except ValueError:
+                continue
+            if size is not None:
+                return size
+        return None
+
+
+def find_vocab_size(info: Any) -> int | None:
+    """A positive int `vocab_size` at the top of a model/server info body or one level down."""
+    if not isinstance(info, dict):
+        return None
+    candidates = [info.get("vocab_size")] + [v.get("vocab_size") for v in info.values() if isinstance(v, dict)]
+    for value in candidates:
+        if type(value) is int and value > 0:
+            return value
+    return None
+
+
+def settle_vocabulary(tokenizer_size: int | None, served_size: int | None) -> int | None:
+    """The id bound from both sizes: the smaller one; a warning when they disagree beyond padding."""
+    if served_size is None or tokenizer_size is None:
+        return tokenizer_size if served_size is None else served_size
+    if served_size < tokenizer_size:
+        log.warning("the server's model has %d ids but the tokenizer %d: is the engine's tokenizer the served "
+                    "model's? ids from %d on are refused", served_size, tokenizer_size, served_size)
+    elif served_size > tokenizer_size + VOCAB_PADDING:
+        log.warning("the server's model has %d ids, the tokenizer %d: another model may be behind the router; "
+                    "ids from %d on are refused", served_size, tokenizer_size, tokenizer_size)
+    return min(tokenizer_size, served_size)

@@ -10,7 +10,7 @@ import tools
 from engine.local.bench.common import Sizes, instant_interpreter
 from engine.local.bench.fsm import _rollout, edge_index, fsm_cycle, fsm_figures, plain_cycle
 from engine.local.bench.memory import memory_figure
-from engine.local.bench.rollout import measure_pair
+from engine.local.bench.rollout import BARE_AIOHTTP, BARE_HTTPX, ENGINE, measure_sides, side_names
 from engine.local.bench.server import CannedServer, scenario
 from engine.machine.table import get_machine
 from engine.profiles.tokenizer import load_tokenizer
@@ -31,20 +31,24 @@ def test_bench_smoke() -> None:
     assert fsm_r.traj.response_ids == plain_r.traj.response_ids
     assert [f.key for f in fsm_figures(TINY)] == ["fsm_setup", "fsm_transition"]
 
-    # Figure 5: one row, bytes per sample measured, the list-size floor computed.
+    # Figure 5: one row, bytes per sample measured (the request body among them), the list-size floor computed.
     memory = memory_figure(TINY)
     assert memory.value > 0 and memory.floor and memory.passed in (True, False)
+    assert memory.notes["request_body_bytes"] > 4 * TINY.memory_tokens  # a JSON body of the ids is held
 
-    # Figure 1's machinery: every engine sample COMPLETED in exactly T turns; the floor sent all requests.
+    # Figure 1's machinery: every engine sample COMPLETED in exactly T turns; every floor sent all requests.
     tok = load_tokenizer()
     with CannedServer({"tool": scenario(tok, TINY.turns, "print(1)")}) as server, instant_interpreter():
-        pair = asyncio.run(measure_pair(server, tok, scenario="tool", samples=TINY.samples, turns=TINY.turns,
-                                        concurrency=TINY.concurrency, connections=TINY.concurrency, repeats=1,
-                                        tick=True, transport=True))
-    assert pair.requests_per_sample == TINY.turns
-    (engine,), (floor,), (reference,) = pair.engine, pair.floor, pair.aiohttp
-    assert engine.statuses == {"COMPLETED": TINY.samples} and engine.turns == {TINY.turns: TINY.samples}
-    assert engine.tool_errors == 0
-    assert floor.errors == 0 and reference.errors == 0 and floor.samples == TINY.samples
-    assert engine.wall > 0 and engine.cpu > 0 and engine.max_stall > 0
+        sides = asyncio.run(measure_sides(server, tok, scenario="tool", samples=TINY.samples, turns=TINY.turns,
+                                          concurrency=TINY.concurrency, connections=TINY.concurrency, repeats=1,
+                                          tick=True))
+    assert sides.requests_per_sample == TINY.turns
+    assert list(sides.runs) == side_names(sides.transport) and {ENGINE, BARE_HTTPX, BARE_AIOHTTP} <= set(sides.runs)
+    for name, (run,) in sides.runs.items():
+        assert run.samples == TINY.samples and run.wall > 0 and run.cpu > 0 and run.max_stall > 0, name
+        if name.startswith("engine"):
+            assert run.statuses == {"COMPLETED": TINY.samples} and run.turns == {TINY.turns: TINY.samples}, name
+            assert run.tool_errors == 0
+        else:
+            assert run.errors == 0 and run.statuses == {"OK": TINY.samples}, name
     assert tools.get("code_interpreter") is original  # the instant tool was put back

@@ -50,15 +50,15 @@ CODE_IDS = encode(CODE) + [IM_END]
 
 
 def test_values_that_are_not_logprobs_end_the_sample_without_losing_earlier_turns(fake: FakeInterpreter) -> None:
-    """A logprob > 0, NaN or +inf is a bad reply (ABORTED logprobs_mismatch), not a broken invariant."""
-    for bad in (0.25, float("nan"), float("inf")):
+    """A logprob > 0, NaN, +inf or -inf is a bad reply (ABORTED logprobs_invalid), not a broken invariant."""
+    for bad in (0.25, float("nan"), float("inf"), float("-inf")):
         answer = FINAL_ANSWER.ids
         spoiled = tuple(-0.5 if i != 1 else bad for i in range(len(answer)))
         ep = attrs.evolve(BASE, script=(turn_reply(CODE, IM_END), Reply(answer, logprobs=spoiled)))
         (sample,) = samples = [new_sample(ep)]
         (server,) = play(ep, fake, samples)
         assert sample.status == Sample.Status.ABORTED
-        assert sample.metadata["fsm"]["termination_reason"] == "logprobs_mismatch"
+        assert sample.metadata["fsm"]["termination_reason"] == "logprobs_invalid"
         assert "invariant_violation" not in sample.metadata["fsm"]
         first = server.sent[0].usable
         assert first is not None and sample.response_length > len(first[0])  # turn 1 and its observation

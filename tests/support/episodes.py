@@ -38,7 +38,7 @@ REJECTED = ("unknown_field400", "bad_request400", "top_p400", "http404")
 USABLE_ENDS = frozenset({"reply_over_budget", "finished_length", "answered", "tool_calls_exhausted",
                          "observation_over_budget", "context_full", "max_turns_reached"})
 PROBLEM_REASON = {"missing": "logprobs_missing", "extra_id": "logprobs_mismatch", "bad_entry": "logprobs_mismatch",
-                  "zero_quirk": "logprobs_mismatch", "bad_value": "logprobs_mismatch", "no_meta": "reply_malformed",
+                  "zero_quirk": "logprobs_mismatch", "bad_value": "logprobs_invalid", "no_meta": "reply_malformed",
                   "bad_finish": "reply_malformed", "top_p_dropped": "top_p_replay_dropped"}
 SPOILERS = sorted(set(PROBLEM_REASON) - {"top_p_dropped"})  # what a reply may be drawn with; the last is the
 # server's doing: a reply without top-p replay after replayed ones (see EpisodeServer)
@@ -149,7 +149,7 @@ def replies(draw: st.DrawFn, n_outputs: int) -> Reply:
         ids.append(IM_END)
     logprobs = None
     if draw(st.booleans()):
-        values = st.one_of(st.floats(-30.0, 0.0), st.just(-0.0), st.just(float("-inf")))
+        values = st.one_of(st.floats(-30.0, 0.0), st.just(-0.0))
         logprobs = tuple(draw(st.lists(values, min_size=len(ids), max_size=len(ids))))
     problem = draw(st.sampled_from(SPOILERS)) if draw(st.integers(0, 9)) == 0 else None
     return Reply(tuple(ids), finish, logprobs, problem, draw(weighted((3, True), (1, False))),
@@ -243,7 +243,7 @@ class EpisodeServer:
             finish = "abort" if finish == "abort" else "length"
         problem = item.problem if item.problem != "bad_value" or lps else None  # no token to spoil
         if problem == "bad_value":
-            lps[len(lps) // 2] = [0.25, float("nan"), float("inf")][len(ids) % 3]
+            lps[len(lps) // 2] = [0.25, float("nan"), float("inf"), float("-inf")][len(ids) % 4]
         body = reply_body(ids, finish=finish, logprobs=lps, weight_version=item.weight_version,
                           with_logprobs=problem != "missing")
         meta = body["meta_info"]

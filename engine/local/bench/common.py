@@ -38,7 +38,7 @@ class Sizes:
     sandbox_runs: int = 30  # figure 4: N
     memory_samples: int = 100  # figure 5
     memory_tokens: int = 32768  # figure 5: response tokens per sample
-    scale_samples: int = 4096  # figure 6: samples in flight at once
+    scale_samples: tuple[int, ...] = (4096, 10000)  # figure 6: samples in flight at once, one row each
     scale_turns: int = 2  # figure 6: turns per sample (a tool turn, then the answer)
 
     @classmethod
@@ -50,7 +50,7 @@ class Sizes:
         return cls(
             samples=64, turns=4, concurrency=32, repeats=3, fsm_cycles=1000, fsm_setups=5000, add_models=200,
             tool_samples=8, tool_calls=1, tool_sleep=0.3, tool_concurrency=64, sandbox_runs=8,
-            memory_samples=20, scale_samples=512, scale_turns=2,
+            memory_samples=20, scale_samples=(512, 1024), scale_turns=2,
         )
 
     @classmethod

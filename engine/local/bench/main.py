@@ -59,7 +59,7 @@ async def _http_figures(server: CannedServer, tokenizer: Any, sizes: Sizes, cloc
     # One pass: it is the longest figure, and a stall is a maximum over the whole pass anyway.
     scale = await scale_figure(server, tokenizer, sizes, repeats=1)
     clock.stop()
-    return {"rollout": rollout, "concurrency": [concurrency], "latency": [latency], "scale": [scale]}
+    return {"rollout": rollout, "concurrency": [concurrency], "latency": [latency], "scale": scale}
 
 
 def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[str, Any]]:

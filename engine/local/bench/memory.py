@@ -4,10 +4,13 @@ Each sample is built the way the engine builds it: a `Rollout`, its prompt reset
 the `Trajectory`, then turns of model tokens (through the `append_model_turn` action,
 from a parsed `Reply`, so the turn log is kept too) and observations (through
 `append_observation`), until the response holds `memory_tokens` tokens. The sample also
-keeps what the driver leaves on it between turns: the last reply (with its raw
-`meta_info`) and the response text. Traced bytes (tracemalloc) of everything still
-alive, divided by the number of samples, are compared with the raw size of the same
-ids, logprobs and mask held as Python lists of boxed ints and floats.
+keeps what the driver leaves on it between turns (the last reply's ids and logprobs, the
+response text) and what the HTTP client keeps for it: the encoded request body, extended
+turn by turn and sent as it is (while a request is in flight, that body is what the
+transport holds; the reply's bytes live only until they are parsed). Traced bytes
+(tracemalloc) of everything still alive, divided by the number of samples, are compared
+with the raw size of the same ids, logprobs and mask held as Python lists of boxed ints
+and floats, and judged against 320 KiB.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import sys
 import tracemalloc
 from typing import Any
 
-from engine.machine import actions as a
+from engine.config import EngineConfig, RetryPolicy
 from engine.local.bench.common import Figure, Sizes
-from engine.config import EngineConfig
+from engine.machine import actions as a
 from engine.machine.rollout import Inputs, Rollout, TurnScratch
+from engine.sglang.client import SGLangClient
 from engine.sglang.wire import parse_reply
 
 TURN_TOKENS = 900  # model tokens per turn
@@ -41,13 +45,19 @@ def _reply_body(turn: int) -> dict[str, Any]:
     }
 
 
-def build_sample(cfg: EngineConfig, tokens: int, text: str) -> Rollout:
-    """One rollout holding a `tokens`-long response, built through the engine's actions."""
+def build_sample(cfg: EngineConfig, tokens: int, text: str, client: SGLangClient | None = None) -> Rollout:
+    """One rollout holding a `tokens`-long response, built through the engine's actions.
+
+    With a `client`, every turn's request body is built as the driver has it built, so the
+    client keeps the sample's last body, as between two turns of a real rollout.
+    """
     r = Rollout(Inputs(cfg, prompt="p", sampling_params={"max_new_tokens": TURN_TOKENS}, allowed_tools=frozenset({"code_interpreter"})))
     r.prompt_ids = list(range(PROMPT_TOKENS))
     a.reset_rollout(r)
     turn = 0
     while r.traj.response_length < tokens:
+        if client is not None:
+            client.body(r.traj, r.inputs.sampling_params, TURN_TOKENS)
         r.turn = TurnScratch(reply=parse_reply(_reply_body(turn)))
         a.append_model_turn(r)
         r.turn.observation_ids = [(turn + i) % 150000 for i in range(min(OBSERVATION_TOKENS, tokens - r.traj.response_length))]
@@ -71,18 +81,24 @@ def list_bytes(ids: list[int], logprobs: list[float], mask: list[int]) -> int:
 
 
 def memory_figure(sizes: Sizes) -> Figure:
-    """Traced bytes per sample against the same per-token data as Python lists."""
+    """Traced bytes per sample, request body included, against the same per-token data as Python lists."""
     cfg = EngineConfig(max_turns=10**6, max_tool_calls=10**6)
     tokens, n = sizes.memory_tokens, sizes.memory_samples
     text = "x" * (tokens * CHARS_PER_TOKEN)
+    client = SGLangClient("http://127.0.0.1:1", None, RetryPolicy())  # type: ignore[arg-type]  # bodies only
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        samples = [build_sample(cfg, tokens, text) for _ in range(n)]
+        samples = [build_sample(cfg, tokens, text, client) for _ in range(n)]
+        for r in samples:  # the body of the next request, as the driver would send it now
+            client.body(r.traj, r.inputs.sampling_params, TURN_TOKENS)
         gc.collect()
         after = tracemalloc.get_traced_memory()[0]
-        for r in samples:  # what the last reply (ids, logprobs, raw meta_info) alone holds
+        client._bodies.clear()
+        gc.collect()
+        without_body = tracemalloc.get_traced_memory()[0]
+        for r in samples:  # what the last reply (ids, logprobs) alone holds
             r.turn = TurnScratch()
         gc.collect()
         without_reply = tracemalloc.get_traced_memory()[0]
@@ -91,11 +107,12 @@ def memory_figure(sizes: Sizes) -> Figure:
     per_sample = (after - before) / n
     one = samples[0]
     traj = one.traj
-    arrays = sum(x.buffer_info()[1] * x.itemsize for x in (traj.response_ids, traj.logprobs, traj.loss_mask))
+    arrays = sum(x.buffer_info()[1] * x.itemsize for x in (traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask))
     raw = list_bytes(traj.response_ids.tolist(), traj.logprobs.tolist(), traj.loss_mask.tolist())
     return Figure(
-        "memory", f"bytes per in-flight sample, {tokens}-token response ({n} samples)", per_sample, "B",
-        float(raw), "ids+logprobs+mask as Python lists", "value", "<=", float(1 << 20), 1,
-        {"array_payload_bytes": arrays, "text_bytes": sys.getsizeof(one.text), "turns": one.turn_count,
-         "last_reply_bytes": (after - without_reply) / n, "bytes_per_token": per_sample / tokens},
+        "memory", f"bytes per in-flight sample, {tokens}-token response, request body included ({n} samples)",
+        per_sample, "B", float(raw), "ids+logprobs+mask as Python lists", "value", "<=", float(320 << 10), 1,
+        {"array_payload_bytes": arrays, "request_body_bytes": (after - without_body) / n,
+         "last_reply_bytes": (without_body - without_reply) / n, "text_bytes": sys.getsizeof(one.text),
+         "turns": one.turn_count, "bytes_per_token": per_sample / tokens},
     )
