@@ -55,6 +55,19 @@ class EngineConfig:
     mask_offpolicy: bool = False
     tokenizer_path: str | None = None
     gc_freeze: bool = True  # see engine.loop.runtime.freeze_long_lived_objects
+    # Where sandboxed tool code runs: "local" (this machine) or "ray" (a pool of workers on the
+    # Ray cluster; see tools.sandbox.backend). The ray_* settings size and place that pool.
+    sandbox_backend: str = attrs.field(default="local")
+    sandbox_workers: int = attrs.field(default=4, validator=_positive)
+    sandbox_worker_cpus: float = attrs.field(default=1.0, validator=_positive)
+    sandbox_resource: str | None = None  # a custom Ray resource the workers need (CPU nodes only)
+    sandbox_queue: int = attrs.field(default=256, validator=_non_negative)
+
+    @sandbox_backend.validator
+    def _check_sandbox_backend(self, attribute: Any, value: str) -> None:
+        from tools.sandbox.backend import check_backend  # refuses "ray" where ray is not installed
+
+        check_backend(value)
 
     def context_limit(self, prompt_length: int) -> int | None:
         """The most tokens prompt + response may hold for a prompt of this length."""
@@ -104,4 +117,9 @@ class EngineConfig:
             mask_offpolicy=bool(get("mask_offpolicy_in_partial_rollout", False)),
             tokenizer_path=get("hf_checkpoint", None),
             gc_freeze=bool(get("engine_gc_freeze", True)),
+            sandbox_backend=str(get("engine_sandbox_backend", "local")),
+            sandbox_workers=int(get("engine_sandbox_workers", 4)),
+            sandbox_worker_cpus=float(get("engine_sandbox_worker_cpus", 1.0)),
+            sandbox_resource=get("engine_sandbox_resource", None) or None,
+            sandbox_queue=int(get("engine_sandbox_queue", 256)),
         )

@@ -6,10 +6,11 @@ example of writing your own tool). See tools/registry.py for the protocol.
 """
 
 from tools.registry import (
-    Tool, ToolError, ToolResult, check_arguments, get, names, register, registered, tool, unregister,
+    Tool, ToolError, ToolResult, call_stats, check_arguments, count, get, names, register, registered, tool, unregister,
 )
 from tools import code_interpreter, python_session  # noqa: E402,F401  (registers the built-ins)
 
 __all__ = [
-    "Tool", "ToolError", "ToolResult", "check_arguments", "get", "names", "register", "registered", "tool", "unregister",
+    "Tool", "ToolError", "ToolResult", "call_stats", "check_arguments", "count", "get", "names", "register", "registered",
+    "tool", "unregister",
 ]

@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 import attrs
 
 from tools.registry import Tool, ToolError, ToolResult, register
-from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
+from tools.sandbox import backend
+from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 
 _TRACEBACK = "Traceback (most recent call last):\n"
 
@@ -89,7 +90,7 @@ class CodeInterpreter(Tool):
             raise ToolError("bad_arguments", "Error: No code provided")
         limits = self.limits
         try:
-            result = await run_python(code, limits)
+            result = await backend.run(code, limits)
         except SandboxError as e:
             return ToolResult(f"Error: Failed to execute code: {e}", error="sandbox")
         return format_result(result, limits.timeout_s)

@@ -105,6 +105,8 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     stats["calls"] = stats.get("calls", 0) + len(results)
     stats["seconds"] = stats.get("seconds", 0.0) + elapsed
     for res in results:
+        for key, amount in res.stats.items():  # what the tool counted: retries, waiting, ...
+            stats[key] = stats.get(key, 0) + amount
         if res.error:
             r.count_tool_error(res.error)
             if res.error == "timeout":

@@ -115,7 +115,7 @@ def freeze_long_lived_objects() -> None:
 
 
 def configure_builtin_tools(cfg: EngineConfig) -> None:
-    """Give the shipped code interpreter the configured time limit."""
+    """Give the shipped code interpreter the configured time limit, and the sandbox its backend."""
     try:
         from tools import code_interpreter
     except ImportError:  # pragma: no cover - shipped with the package
@@ -123,3 +123,7 @@ def configure_builtin_tools(cfg: EngineConfig) -> None:
     configure = getattr(code_interpreter, "configure", None)
     if configure is not None:
         configure(timeout_s=cfg.tool_timeout)
+    from tools.sandbox import backend
+
+    backend.configure(cfg.sandbox_backend, backend.RaySettings(
+        cfg.sandbox_workers, cfg.sandbox_worker_cpus, cfg.sandbox_resource, cfg.sandbox_queue))

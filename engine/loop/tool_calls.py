@@ -25,11 +25,12 @@ class ToolRunner:
     async def call(self, tool: tools.Tool, state: Any, call: ToolCall) -> CallResult:
         """One call; never raises except on cancellation. The slot is taken once per call."""
         started = time.perf_counter()
-        text, error = await self._execute(tool, state, call)
+        with tools.call_stats() as stats:
+            text, error = await self._execute(tool, state, call)
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + TRUNCATION_MARKER.format(n=len(text) - self.max_chars)
             error = error or "output_truncated"
-        return CallResult(call, text, error, time.perf_counter() - started)
+        return CallResult(call, text, error, time.perf_counter() - started, stats)
 
     async def _execute(self, tool: tools.Tool, state: Any, call: ToolCall) -> tuple[str, str | None]:
         try:

@@ -36,6 +36,7 @@ class CallResult:
     text: str
     error: str | None = None
     seconds: float = 0.0
+    stats: dict[str, float] = attrs.field(factory=dict, eq=False)  # what the tool counted (`tools.count`)
 
 
 class Profile(Protocol):
