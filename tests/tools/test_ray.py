@@ -12,13 +12,17 @@ not installed; everything else here runs without it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 
 import tools
@@ -33,11 +37,13 @@ from engine.slime.sample_io import engine_metadata
 from tests.support.helpers import make_args
 from tools.python_session import PythonSession
 from tools.sandbox import backend
+from tools.sandbox import host as host_protocol
 from tools.sandbox.dispatch import Busy, Dispatcher, Slot
 from tools.sandbox.runner import SandboxLimits
 
 WORKERS = 4
 RESOURCE = "sandbox"
+SLOW_CALL_S = 6  # the killed call: its sandbox must be gone long before it could have ended by itself
 
 
 # --- the setting -------------------------------------------------------------------------------
@@ -152,6 +158,41 @@ def test_a_worker_coming_up_wakes_the_waiting_calls() -> None:
     asyncio.run(go())
 
 
+# --- the host: what cleans up after a worker that died (no Ray) ------------------------------------
+
+def test_the_host_kills_its_runs_when_the_worker_end_closes() -> None:
+    """The worker's end of the socket closing (its process died) makes the host kill every run and exit."""
+    mine, theirs = socket.socketpair()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    host = subprocess.Popen([sys.executable, "-m", "tools.sandbox.host", str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    theirs.close()
+    try:
+        limits = attrs.asdict(SandboxLimits(timeout_s=60))
+        mine.sendall(host_protocol.request(1, "print('up', flush=True)\nimport time\ntime.sleep(60)", limits, None))
+        mine.sendall(host_protocol.request(2, "print(6 * 7)", limits, None))
+        replies = mine.makefile("rb")
+        reply = json.loads(replies.readline())
+        assert reply["id"] == 2 and reply["result"]["stdout"] == "42\n"  # runs side by side: the quick one answers
+        deadline = time.monotonic() + 30
+        while not (sandbox := {p: t for p, t in _descendants(host.pid).items() if _runs_the_code(p)}):
+            assert time.monotonic() < deadline, "the long run never started"
+            time.sleep(0.05)
+        replies.close()
+        mine.close()  # as when the worker's process dies
+        started = time.monotonic()
+        assert host.wait(timeout=20) == 0
+        deadline = time.monotonic() + 5
+        while any(_running(p, t) for p, t in sandbox.items()):
+            assert time.monotonic() < deadline, "the run outlived the host"
+            time.sleep(0.05)
+        assert time.monotonic() - started < 10  # killed, not left to sleep its 60 s
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
 # --- a real two-node cluster -------------------------------------------------------------------
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -188,6 +229,15 @@ def _descendants(root: int) -> dict[int, int]:
                 found[pid] = stat[1]
                 frontier.append(pid)
     return found
+
+
+def _runs_the_code(pid: int) -> bool:
+    """Whether the process is the sandboxed program itself (the launcher has exec'd `main.py`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().rstrip(b"\0").endswith(b"main.py")
+    except OSError:
+        return False
 
 
 async def _until(predicate: Any, timeout: float, what: str) -> None:
@@ -227,7 +277,7 @@ def tok() -> Any:
 def server(tok: Any) -> Iterator[CannedServer]:
     scenarios = {
         "quick": scenario(tok, 2, "import time\ntime.sleep(0.3)\nprint(6 * 7)"),
-        "slow": scenario(tok, 2, "import time\ntime.sleep(3)\nprint(6 * 7)"),
+        "slow": scenario(tok, 2, f"import time\ntime.sleep({SLOW_CALL_S})\nprint(6 * 7)"),
     }
     with CannedServer(scenarios) as s:
         yield s
@@ -357,14 +407,15 @@ def test_a_worker_killed_mid_call_costs_one_retry_and_leaves_nothing_running(
                     stat = _stat(pid)
                     assert stat is not None
                     seen[pid] = stat[1]
-            samples = [Sample(index=i, prompt=PROMPT, session_id=f"kill-{i}") for i in range(WORKERS + 2)]
+            samples = [Sample(index=i, prompt=PROMPT, session_id=f"kill-{i}") for i in range(WORKERS)]
             batch = asyncio.ensure_future(asyncio.gather(*(run_sample(rt, s, dict(SAMPLING)) for s in samples)))
             victim: dict[str, Any] = {}
             sandbox: dict[int, int] = {}
 
             def running_a_call() -> bool:
                 for w in pool.workers():
-                    if w["busy"] and (found := _descendants(w["host_pid"])):
+                    found = _descendants(w["host_pid"]) if w["busy"] else {}
+                    if any(_runs_the_code(pid) for pid in found):  # not just the sandbox's start-up probe
                         victim.update(w)
                         sandbox.update(found)
                         return True
@@ -373,15 +424,17 @@ def test_a_worker_killed_mid_call_costs_one_retry_and_leaves_nothing_running(
             await _until(running_a_call, 30, "a worker runs a sandboxed call")
             seen.update(sandbox)
             os.kill(victim["pid"], signal.SIGKILL)  # the actor's process dies mid-call
+            # Its host sees the worker's end close and kills the run: well before the code would end.
+            await _until(lambda: not any(_running(p, t) for p, t in sandbox.items()), SLOW_CALL_S / 3,
+                         "the lost call's sandbox is gone")
+            await _until(lambda: not _running(victim["host_pid"], seen[victim["host_pid"]]), SLOW_CALL_S / 3,
+                         "the lost worker's host is gone")
             await asyncio.wait_for(batch, 90)
 
             stats = _check(samples, await rt.prompt_ids(PROMPT, rt.allowed_tools()), tok)  # every call answered
             assert sum(st.get("sandbox_workers_lost", 0) for st in stats) >= 1
             assert sum(st.get("sandbox_retries", 0) for st in stats) >= 1
             assert all(not st["errors"] for st in stats)
-            # The killed worker's host killed its sandbox and went; the worker was replaced.
-            await _until(lambda: not any(_running(p, t) for p, t in sandbox.items()), 15, "the lost call's sandbox is gone")
-            await _until(lambda: not _running(victim["host_pid"], seen[victim["host_pid"]]), 15, "the lost worker's host is gone")
             workers = await pool.wait_ready(60)
             assert pool.replaced >= 1 and workers[victim["index"]]["pid"] != victim["pid"]
             for w in workers:
