@@ -374,7 +374,7 @@ def test_a_hung_worker_cannot_hang_the_call(cluster: Any, server: CannedServer, 
             os.kill(mine["pid"], signal.SIGSTOP)  # alive but deaf: a hang, not a death
             started = time.monotonic()
             with tools.call_stats() as stats, pytest.raises(tools.ToolError) as err:
-                await tool.execute(state, code="print(x)")
+                await asyncio.wait_for(tool.execute(state, code="print(x)"), 30)
             assert err.value.kind == "worker_hung"
             assert time.monotonic() - started < 1.0 + 3.0 + 2.0
             assert stats["sandbox_workers_hung"] == 1
