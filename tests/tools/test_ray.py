@@ -39,7 +39,7 @@ from tools.python_session import PythonSession
 from tools.sandbox import backend
 from tools.sandbox import host as host_protocol
 from tools.sandbox.dispatch import Busy, Dispatcher, Slot
-from tools.sandbox.runner import SandboxLimits
+from tools.sandbox.runner import SandboxError, SandboxLimits
 
 WORKERS = 4
 RESOURCE = "sandbox"
@@ -158,39 +158,54 @@ def test_a_worker_coming_up_wakes_the_waiting_calls() -> None:
     asyncio.run(go())
 
 
+def test_closing_the_pool_ends_every_wait_at_once() -> None:
+    async def go() -> None:
+        (slot,) = _up(1)
+        d = Dispatcher([slot], per_worker=1, queue=4)
+        await d.acquire(None, 1)
+        waiter = asyncio.ensure_future(d.acquire(None, 30))
+        await asyncio.sleep(0.02)
+        slot.state = "empty"
+        d.close()
+        with pytest.raises(Busy, match="shut down"):
+            await asyncio.wait_for(waiter, 1)
+        with pytest.raises(Busy, match="shut down"):
+            await d.acquire(None, 30)
+
+    asyncio.run(go())
+
+
 # --- the host: what cleans up after a worker that died (no Ray) ------------------------------------
 
 def test_the_host_kills_its_runs_when_the_worker_end_closes() -> None:
     """The worker's end of the socket closing (its process died) makes the host kill every run and exit."""
     mine, theirs = socket.socketpair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    host = subprocess.Popen([sys.executable, "-m", "tools.sandbox.host", str(theirs.fileno())],
-                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    starter = subprocess.Popen([sys.executable, "-m", "tools.sandbox.host", str(theirs.fileno())],
+                               pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     theirs.close()
+    replies = mine.makefile("rb")
+    host = json.loads(replies.readline())["pid"]
     try:
+        assert starter.wait(timeout=20) == 0 and host != starter.pid  # detached: no child of its starter
         limits = attrs.asdict(SandboxLimits(timeout_s=60))
-        mine.sendall(host_protocol.request(1, "print('up', flush=True)\nimport time\ntime.sleep(60)", limits, None))
+        mine.sendall(host_protocol.request(1, "import time\ntime.sleep(60)", limits, None))
         mine.sendall(host_protocol.request(2, "print(6 * 7)", limits, None))
-        replies = mine.makefile("rb")
         reply = json.loads(replies.readline())
         assert reply["id"] == 2 and reply["result"]["stdout"] == "42\n"  # runs side by side: the quick one answers
         deadline = time.monotonic() + 30
-        while not (sandbox := {p: t for p, t in _descendants(host.pid).items() if _runs_the_code(p)}):
+        while not (sandbox := {p: t for p, t in _descendants(host).items() if _runs_the_code(p)}):
             assert time.monotonic() < deadline, "the long run never started"
             time.sleep(0.05)
         replies.close()
         mine.close()  # as when the worker's process dies
-        started = time.monotonic()
-        assert host.wait(timeout=20) == 0
-        deadline = time.monotonic() + 5
-        while any(_running(p, t) for p, t in sandbox.items()):
-            assert time.monotonic() < deadline, "the run outlived the host"
+        deadline = time.monotonic() + 10  # killed and cleaned up, not left to sleep its 60 s
+        while _running(host) or any(_running(p, t) for p, t in sandbox.items()):
+            assert time.monotonic() < deadline, "the host or its run outlived the worker's end"
             time.sleep(0.05)
-        assert time.monotonic() - started < 10  # killed, not left to sleep its 60 s
     finally:
-        if host.poll() is None:
-            host.kill()
-            host.wait()
+        if _running(host):
+            os.kill(host, signal.SIGKILL)
 
 
 # --- a real two-node cluster -------------------------------------------------------------------
@@ -394,6 +409,51 @@ def test_a_hung_worker_cannot_hang_the_call(cluster: Any, server: CannedServer, 
 
 
 @pytest.mark.slow
+def test_a_cancelled_call_is_killed_on_its_worker(cluster: Any, server: CannedServer, tok: Any) -> None:
+    """The engine giving up on a call (its backstop, an abort) kills the run; the worker stays."""
+    async def go() -> None:
+        rt = Runtime.create(_config(server.url("quick"), slots=WORKERS), tokenizer=tok)
+        try:
+            pool = await _ready_pool()
+            call = asyncio.ensure_future(backend.run("import time\ntime.sleep(60)", SandboxLimits(timeout_s=60)))
+            found: dict[int, int] = {}
+
+            def running() -> bool:
+                for w in pool.workers():
+                    if w["busy"]:
+                        found.update({p: t for p, t in _descendants(w["host_pid"]).items() if _runs_the_code(p)})
+                return bool(found)
+
+            await _until(running, 30, "the call runs in a sandbox")
+            workers = pool.workers()
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await _until(lambda: not any(_running(p, t) for p, t in found.items()), 5, "the cancelled run is gone")
+            assert [w["pid"] for w in pool.workers()] == [w["pid"] for w in workers]  # nobody was replaced
+            assert all(w["busy"] == 0 for w in pool.workers())
+        finally:
+            await rt.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_reply_is_checked_again_on_this_side(cluster: Any) -> None:
+    from tools.sandbox import ray_pool
+
+    limits = SandboxLimits(output_bytes=4)
+    fields = {"stdout": "abcdefgh", "stderr": "xy", "returncode": 0, "timed_out": False, "truncated": False,
+              "started": 1.0, "ended": 2.0, "killed": False, "dropped": 0, "a_field_from_a_newer_worker": 1}
+    result = ray_pool._result({"id": 1, "result": fields}, limits)
+    assert (result.stdout, result.stderr, result.truncated, result.dropped) == ("abcd", "xy", True, 4)
+    with pytest.raises(SandboxError, match="could not set up"):
+        ray_pool._result({"id": 1, "error": "sandbox", "message": "could not set up"}, limits)
+    for bad in ({"id": 1}, {"id": 1, "result": {**fields, "stdout": 5}}, {"id": 1, "result": {"stdout": ""}}):
+        with pytest.raises(SandboxError, match="malformed"):
+            ray_pool._result(bad, limits)
+
+
+@pytest.mark.slow
 def test_a_worker_killed_mid_call_costs_one_retry_and_leaves_nothing_running(
     cluster: Any, server: CannedServer, tok: Any
 ) -> None:
@@ -442,10 +502,17 @@ def test_a_worker_killed_mid_call_costs_one_retry_and_leaves_nothing_running(
                     stat = _stat(pid)
                     if stat is not None:
                         seen[pid] = stat[1]
+            # Shut down with a call running: Ray kills the workers, their hosts kill the run.
+            last = asyncio.ensure_future(backend.run("import time\ntime.sleep(60)", SandboxLimits(timeout_s=60)))
+            sandbox.clear()
+            await _until(running_a_call, 30, "a worker runs a sandboxed call")
+            seen.update(sandbox)
         finally:
             await rt.aclose()
             backend.shutdown()
-        # Shut down: no worker, host or sandbox process of this test is left running.
-        await _until(lambda: not [p for p, t in seen.items() if _running(p, t)], 30, "every process of the pool is gone")
+        with pytest.raises(SandboxError, match="shut down"):
+            await asyncio.wait_for(last, 10)
+        # No worker, host or sandbox process of this test is left running.
+        await _until(lambda: not [p for p, t in seen.items() if _running(p, t)], 10, "every process of the pool is gone")
 
     asyncio.run(go())

@@ -48,6 +48,7 @@ class Dispatcher:
         self.per_worker = per_worker
         self.queue = queue
         self.waiting = 0
+        self.closed = False
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._sessions: collections.OrderedDict[str, tuple[Slot, int]] = collections.OrderedDict()
 
@@ -73,6 +74,8 @@ class Dispatcher:
         """Take a slot, waiting at most `timeout` seconds in the bounded queue; raises `Busy`."""
         slot = self.pick(key)
         if slot is None:
+            if self.closed:
+                raise Busy("the sandbox pool was shut down")
             if self.waiting >= self.queue:
                 raise Busy(f"{self.waiting} calls already wait for a sandbox worker (the queue's bound)")
             self.waiting += 1
@@ -87,6 +90,8 @@ class Dispatcher:
     async def _wait(self, key: str | None, timeout: float) -> Slot:
         deadline = time.monotonic() + timeout
         while (slot := self.pick(key)) is None:
+            if self.closed:
+                raise Busy("the sandbox pool was shut down")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 up = sum(s.state == "up" for s in self.slots)
@@ -116,6 +121,11 @@ class Dispatcher:
                     woken.set_result(None)
                 except RuntimeError:  # its event loop is closed: nobody waits there any more
                     pass
+
+    def close(self) -> None:
+        """No worker will come any more: every waiting call gives up now."""
+        self.closed = True
+        self.changed()
 
     def forget(self, key: str) -> None:
         """A session ended."""

@@ -3,13 +3,15 @@
 Why a process of its own, between the worker and the sandboxes: a worker can die at any
 moment (its node lost, the actor killed), and a process killed with SIGKILL cleans up
 nothing. The sandboxes it started run in sessions of their own, out of reach of Ray's
-cleanup of the worker, and a sleeping program would run on forever. The host sits in its
-own session too, so it outlives the worker, sees its end of the socket close, cancels
-every run (the sandbox's own cleanup then kills what each run left) and exits. So
-nothing a call started outlives the worker by more than that cleanup.
+cleanup of the worker, and a sleeping program would run on forever. The host detaches
+(no child of the worker, in a session of its own, so Ray's cleanup of the worker's children
+and process group misses it), outlives the worker, sees its end of the socket close,
+cancels every run (the sandbox's own cleanup then kills what each run left) and exits.
+So nothing a call started outlives the worker by more than that cleanup.
 
 The protocol, one JSON object per line over a socket pair:
 
+    host -> worker   {"pid": n}                          once, first: the host's process id
     worker -> host   {"id": n, "code": str, "limits": {SandboxLimits fields}, "stdin": base64 | null}
                      {"cancel": n}
     host -> worker   {"id": n, "result": {SandboxResult fields}}
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import socket
 import sys
 from typing import Any
@@ -91,9 +94,22 @@ async def serve(sock: socket.socket) -> None:
         writer.close()
 
 
+def detach() -> None:
+    """Fork; the first process exits, the second goes on in a session of its own.
+
+    So the host is no child of the worker: Ray, killing a worker, kills its child processes too,
+    and the host must live on to clean up after it. (Its parent is then init, which reaps it.)
+    """
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+
+
 def main(argv: list[str]) -> int:
-    """Entry point: serve the socket pair end whose file descriptor is `argv[0]`."""
+    """Entry point: detach, say hello with our pid, serve the socket pair end whose descriptor is `argv[0]`."""
     sock = socket.socket(fileno=int(argv[0]))
+    detach()
+    sock.sendall(encode({"pid": os.getpid()}))
     asyncio.run(serve(sock))
     return 0
 

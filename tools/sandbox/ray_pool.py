@@ -49,6 +49,7 @@ from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 log = logging.getLogger(__name__)
 
 HANG_MARGIN_S = 3.0  # a reply later than the time limit plus this: the worker hung (under the engine's 5 s backstop)
+HOST_START_S = 60.0  # the host's interpreter start, on a loaded node
 MIN_RETRY_S = 0.5  # a retry needs at least this much of the call's time limit left
 START_TIMEOUT_S = 120.0  # a worker not up by then is replaced
 MAX_START_FAILURES = 3  # a slot whose workers failed to start this often in a row stays empty
@@ -64,7 +65,7 @@ class SandboxWorker:
     """The Ray actor: runs sandboxed code through its host process, several calls at once."""
 
     def __init__(self) -> None:
-        self._host: asyncio.subprocess.Process | None = None
+        self._host_pid = 0
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_id = 0
@@ -73,8 +74,7 @@ class SandboxWorker:
     async def ready(self) -> dict[str, Any]:
         """Start the host; say where this worker runs."""
         await self._ensure_host()
-        assert self._host is not None
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "host_pid": self._host.pid}
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "host_pid": self._host_pid}
 
     async def run(self, code: str, limits: dict[str, Any], stdin: bytes | None) -> dict[str, Any]:
         """Run one call in the host's sandbox; the host's reply (result or error)."""
@@ -102,18 +102,24 @@ class SandboxWorker:
         if self._starting is None:
             self._starting = asyncio.Lock()
         async with self._starting:
-            if self._host is not None:
+            if self._host_pid:
                 return
             mine, theirs = socket.socketpair()
-            # Its own session: Ray's cleanup of this worker's process group must not take the host
-            # with it, for the host is what kills the sandboxes when this worker dies.
-            self._host = await asyncio.create_subprocess_exec(
+            # The host detaches (forks, and the first process exits) into a session of its own: Ray
+            # kills a worker's child processes and process group with it, and the host must outlive
+            # this worker, for it is what kills the sandboxes when this worker dies.
+            starter = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tools.sandbox.host", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
             )
             theirs.close()
             reader, self._writer = await asyncio.open_connection(sock=mine, limit=host_protocol.LINE_LIMIT)
+            hello = await asyncio.wait_for(reader.readline(), HOST_START_S)
+            await starter.wait()
+            if not hello:
+                raise RuntimeError(f"the sandbox host did not start (exit code {starter.returncode})")
+            self._host_pid = int(json.loads(hello)["pid"])
             asyncio.get_running_loop().create_task(self._read(reader))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -190,6 +196,8 @@ class RayPool:
         pool = cls(settings)
         for slot in pool.slots:
             pool._spawn(slot)
+        log.info("sandbox on Ray: %d workers of %g CPUs (%d calls each)%s", settings.workers, settings.cpus,
+                 pool.dispatcher.per_worker, f" on nodes with resource {settings.resource!r}" if settings.resource else "")
         return pool
 
     def _options(self) -> dict[str, Any]:
@@ -285,6 +293,8 @@ class RayPool:
                 log.warning("sandbox worker %d lost mid-call (%s); replacing it", slot.index, exc)
                 if slot.handle is handle:
                     self._replace(slot)
+                if self.closed:
+                    raise SandboxError("the Ray sandbox pool was shut down during the call") from None
                 if attempt == 0:
                     tools.count("sandbox_retries")
             except _Hung:
@@ -337,7 +347,7 @@ class RayPool:
         for slot in self.slots:
             _kill(slot.handle)
             slot.state, slot.handle = "empty", None
-        self.dispatcher.changed()
+        self.dispatcher.close()
 
 
 async def _awaitable(ref: Any) -> Any:
@@ -361,13 +371,15 @@ def _cancel(ref: Any) -> None:
 
 
 def _capped(text: Any, limit: int) -> tuple[str, int]:
-    """`text` cut to `limit` UTF-8 bytes, and how many bytes were cut (the worker's cap, checked again)."""
+    """`text` cut to `limit` characters, and how many were cut: the worker's cap, checked again here.
+
+    The sandbox keeps at most `limit` bytes per stream and decodes them, so an honest reply never
+    has more characters than that (counting bytes instead would cut replacement characters)."""
     if not isinstance(text, str):
         raise SandboxError("the sandbox worker sent a malformed reply")
-    data = text.encode(errors="replace")
-    if len(data) <= limit:
+    if len(text) <= limit:
         return text, 0
-    return data[:limit].decode(errors="ignore"), len(data) - limit
+    return text[:limit], len(text) - limit
 
 
 def _result(reply: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
