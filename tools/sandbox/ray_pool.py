@@ -273,6 +273,8 @@ class RayPool:
             try:
                 slot = await self.dispatcher.acquire(session_key, left)
             except Busy as exc:
+                if self.closed:
+                    raise SandboxError("the Ray sandbox pool was shut down") from None
                 raise tools.ToolError("sandbox_busy", f"the sandbox is busy: {exc}") from None
             finally:
                 tools.count("sandbox_wait_s", time.monotonic() - waited)
