@@ -175,6 +175,27 @@ def test_closing_the_pool_ends_every_wait_at_once() -> None:
     asyncio.run(go())
 
 
+def test_the_engine_attaches_to_a_running_cluster_and_never_starts_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
+    from tools.sandbox import ray_pool
+
+    calls: list[dict[str, Any]] = []
+
+    def no_cluster(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(RuntimeError, match=r"no running Ray cluster to attach to.*ray start --head"):
+        backend.configure("ray")
+    assert [c["address"] for c in calls] == ["auto"]  # "auto" joins a running cluster, never starts one
+    assert backend.current() == "local" and backend.pool() is None
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # slime's process: already joined
+    ray_pool.attach()
+    assert len(calls) == 1
+
+
 # --- the host: what cleans up after a worker that died (no Ray) ------------------------------------
 
 def test_the_host_kills_its_runs_when_the_worker_end_closes() -> None:
