@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from tools.sandbox.runner import SandboxError, SandboxLimits, run_python
+from tools.sandbox.runner import SandboxError, SandboxLimits, network_isolated, run_python
 
 LINE_LIMIT = 1 << 26  # one request or reply; code and capped output are far smaller
 CLEANUP_S = 60.0  # the most the host waits for cancelled runs to clean up before it exits
@@ -106,9 +106,13 @@ def detach() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point: detach, say hello with our pid, serve the socket pair end whose descriptor is `argv[0]`."""
+    """Entry point: detach, probe the sandbox, say hello with our pid, serve the socket end numbered `argv[0]`."""
     sock = socket.socket(fileno=int(argv[0]))
     detach()
+    try:
+        network_isolated()  # the sandbox probes the kernel once: now, so that no call waits for it
+    except SandboxError:
+        pass  # every run reports it, as a local run would
     sock.sendall(encode({"pid": os.getpid()}))
     asyncio.run(serve(sock))
     return 0
