@@ -76,7 +76,8 @@ def test_unknown_backend_is_refused_and_local_is_the_default() -> None:
     cfg = EngineConfig.from_args(make_args(engine_sandbox_workers=8, engine_sandbox_worker_cpus=2,
                                            engine_sandbox_resource="cpu_node", engine_sandbox_queue=16))
     assert cfg.sandbox_backend == "local"
-    assert (cfg.sandbox_workers, cfg.sandbox_worker_cpus, cfg.sandbox_resource, cfg.sandbox_queue) == (8, 2.0, "cpu_node", 16)
+    ray_settings = (cfg.sandbox_workers, cfg.sandbox_worker_cpus, cfg.sandbox_resource, cfg.sandbox_queue)
+    assert ray_settings == (8, 2.0, "cpu_node", 16)
     with pytest.raises(ValueError):
         EngineConfig(sandbox_workers=0)
 
@@ -535,6 +536,7 @@ def test_a_worker_killed_mid_call_costs_one_retry_and_leaves_nothing_running(
         with pytest.raises(SandboxError, match="shut down"):
             await asyncio.wait_for(last, 10)
         # No worker, host or sandbox process of this test is left running.
-        await _until(lambda: not [p for p, t in seen.items() if _running(p, t)], 10, "every process of the pool is gone")
+        await _until(lambda: not [p for p, t in seen.items() if _running(p, t)], 10,
+                     "every process of the pool is gone")
 
     asyncio.run(go())

@@ -169,7 +169,9 @@ def check_capacity(settings: RaySettings) -> None:
             f"start the CPU nodes with `ray start --resources='{{\"{settings.resource}\": N}}'`"
         )
     if total.get("CPU", 0) < settings.cpus:
-        raise RuntimeError(f"engine_sandbox_worker_cpus={settings.cpus:g}: the Ray cluster has {total.get('CPU', 0):g} CPUs")
+        raise RuntimeError(
+            f"engine_sandbox_worker_cpus={settings.cpus:g}: the Ray cluster has {total.get('CPU', 0):g} CPUs in all"
+        )
     fits = total.get("CPU", 0) // settings.cpus
     if settings.resource is not None:
         fits = min(fits, total[settings.resource])
@@ -196,8 +198,9 @@ class RayPool:
         pool = cls(settings)
         for slot in pool.slots:
             pool._spawn(slot)
+        where = f" on nodes with resource {settings.resource!r}" if settings.resource else ""
         log.info("sandbox on Ray: %d workers of %g CPUs (%d calls each)%s", settings.workers, settings.cpus,
-                 pool.dispatcher.per_worker, f" on nodes with resource {settings.resource!r}" if settings.resource else "")
+                 pool.dispatcher.per_worker, where)
         return pool
 
     def _options(self) -> dict[str, Any]:
@@ -243,7 +246,8 @@ class RayPool:
             return
         if slot.start_failures >= MAX_START_FAILURES:
             slot.state, slot.handle = "empty", None
-            log.error("sandbox worker %d failed to start %d times; its slot stays empty", slot.index, slot.start_failures)
+            log.error("sandbox worker %d failed to start %d times; its slot stays empty", slot.index,
+                      slot.start_failures)
             return
         self.replaced += 1
         self._spawn(slot)
