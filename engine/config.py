@@ -197,6 +197,11 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
     Setting("engine_retry_max_delay", float, 16.0, "longest backoff", low=0, high=3600),
     Setting("engine_http_transport", str, "auto", "the HTTP client: auto (aiohttp's where installed, else httpx), httpx, aiohttp (httpx over httpx-aiohttp), aiohttp_direct", choices=("auto", "httpx", "aiohttp", "aiohttp_direct")),
+    Setting("engine_sandbox_backend", str, "local", "where sandboxed code runs: local (this machine) or ray (workers on the Ray cluster)", choices=("local", "ray")),
+    Setting("engine_sandbox_workers", int, 4, "Ray sandbox workers", low=1, high=100_000),
+    Setting("engine_sandbox_worker_cpus", float, 1.0, "CPUs each Ray sandbox worker reserves", low=0, high=1024, above_low=True),
+    Setting("engine_sandbox_resource", str, None, "a custom Ray resource the sandbox workers need (to keep them on CPU nodes)"),
+    Setting("engine_sandbox_queue", int, 256, "calls that may wait for a free Ray worker", low=0, high=10**7),
     Setting("engine_gc_freeze", bool, True, "gc.freeze() long-lived objects once at start-up"),
     Setting("engine_abort_status", str, "retry", "a sample whose attempt failed: re-run it (retry), or hand ABORTED back at once (aborted, for a caller that re-queues)", choices=("retry", "aborted")),
     Setting("engine_sample_attempts", int, 3, "attempts of one sample before it ends FAILED with remove_sample", low=1, high=1000),
@@ -330,6 +335,19 @@ class EngineConfig:
     num_layers: int = attrs.field(default=0, validator=_non_negative)
     moe_router_topk: int = attrs.field(default=0, validator=_non_negative)
     fully_async: bool = False  # slime's fully-async worker is the caller: it re-queues ABORTED groups
+    # Where sandboxed tool code runs: "local" (this machine) or "ray" (a pool of workers on the
+    # Ray cluster; see tools.sandbox.backend). The ray_* settings size and place that pool.
+    sandbox_backend: str = attrs.field(default="local")
+    sandbox_workers: int = attrs.field(default=4, validator=_positive)
+    sandbox_worker_cpus: float = attrs.field(default=1.0, validator=_positive)
+    sandbox_resource: str | None = None  # a custom Ray resource the workers need (CPU nodes only)
+    sandbox_queue: int = attrs.field(default=256, validator=_non_negative)
+
+    @sandbox_backend.validator
+    def _check_sandbox_backend(self, attribute: Any, value: str) -> None:
+        from tools.sandbox.backend import check_backend  # refuses "ray" where ray is not installed
+
+        check_backend(value)
 
     def __attrs_post_init__(self) -> None:
         if self.routing_replay and not (self.num_layers and self.moe_router_topk):
@@ -418,6 +436,11 @@ class EngineConfig:
             num_layers=get("num_layers"),
             moe_router_topk=get("moe_router_topk"),
             fully_async=is_fully_async(args),
+            sandbox_backend=get("engine_sandbox_backend"),
+            sandbox_workers=get("engine_sandbox_workers"),
+            sandbox_worker_cpus=get("engine_sandbox_worker_cpus"),
+            sandbox_resource=get("engine_sandbox_resource") or None,
+            sandbox_queue=get("engine_sandbox_queue"),
         )
 
 

@@ -125,7 +125,7 @@ def test_tools_knows_nothing_of_the_engine() -> None:
 @pytest.mark.parametrize("module, expected", [
     (engine, ["EngineConfig", "InvariantViolation", "MachineSpec", "RetryPolicy", "Rollout", "Runtime", "State",
               "Trajectory", "Trigger", "drive", "get_machine", "new_rollout"]),
-    (tools, ["Tool", "ToolError", "ToolResult", "ToolUnavailable", "call_timeout", "get", "names", "register", "tool"]),
+    (tools, ["Tool", "ToolError", "ToolResult", "ToolUnavailable", "call_timeout", "count", "get", "names", "register", "tool"]),
 ])
 def test_the_faces_export_a_deliberate_list(module: object, expected: list[str]) -> None:
     exported = sorted(getattr(module, "__all__"))

@@ -11,8 +11,8 @@ names it) and `python_session` (a stateful Python session per trajectory: the wo
 of writing your own tool).
 """
 
-from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, get, names, register, tool
+from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, count, get, names, register, tool
 
 from tools import code_interpreter, python_session  # noqa: E402,F401,I001  (registers the built-ins)
 
-__all__ = ["Tool", "ToolError", "ToolResult", "ToolUnavailable", "call_timeout", "get", "names", "register", "tool"]
+__all__ = ["Tool", "ToolError", "ToolResult", "ToolUnavailable", "call_timeout", "count", "get", "names", "register", "tool"]

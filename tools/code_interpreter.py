@@ -26,8 +26,9 @@ from typing import Any, ClassVar
 import attrs
 
 from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
+from tools.sandbox import backend
 from tools.sandbox.probing import probe
-from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult, run_python
+from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 
 _TRACEBACK = "Traceback (most recent call last):\n"
 
@@ -97,7 +98,7 @@ class CodeInterpreter(Tool):
         await require_sandbox()
         limits = attrs.evolve(self.limits, timeout_s=call_timeout(self.limits.timeout_s))
         try:
-            result = await run_python(code, limits)
+            result = await backend.run(code, limits)
         except SandboxError as e:
             raise ToolUnavailable(f"the sandbox failed: {e}") from e
         return format_result(result, limits.timeout_s)

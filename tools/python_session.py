@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Any, ClassVar
 
 import attrs
 
 from tools.code_interpreter import current_limits, format_result, require_sandbox, sandbox_check
 from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
-from tools.sandbox.runner import SandboxError, SandboxLimits, run_python
+from tools.sandbox import backend
+from tools.sandbox.runner import SandboxError, SandboxLimits
 
 # Runs in the sandbox; reads the cells as JSON on stdin, so no code is pasted into code.
 _REPLAY = r"""
@@ -59,6 +61,7 @@ class Session:
 
     cells: list[str] = attrs.Factory(list)
     lock: asyncio.Lock = attrs.Factory(asyncio.Lock)  # calls of one trajectory take turns
+    key: str = attrs.Factory(lambda: uuid.uuid4().hex)  # keeps its calls on one sandbox worker (Ray)
 
 
 class PythonSession(Tool):
@@ -83,6 +86,7 @@ class PythonSession(Tool):
 
     async def release(self, state: Session) -> None:
         state.cells.clear()  # nothing runs between calls, so there is no process to stop
+        backend.forget(state.key)
 
     async def check(self) -> str | None:
         """None when the sandbox can run code here, else why not (its probe's reason)."""
@@ -98,7 +102,7 @@ class PythonSession(Tool):
         async with state.lock:
             cells = [*state.cells, code]
             try:
-                result = await run_python(_REPLAY, limits, stdin=json.dumps(cells).encode())
+                result = await backend.run(_REPLAY, limits, stdin=json.dumps(cells).encode(), session_key=state.key)
             except SandboxError as e:
                 raise ToolUnavailable(f"the sandbox failed: {e}") from e
             if result.returncode == 0 and not result.timed_out:

@@ -94,6 +94,32 @@ class Tool:
         }
 
 
+# The statistics of the call running in this context (see `count`); None outside a call.
+_call_stats: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("tool_call_stats", default=None)
+
+
+def count(key: str, amount: float = 1) -> None:
+    """Add `amount` to statistic `key` of the running call; the engine sums them into the sample's `tool_stats`.
+
+    For what a call's answer does not show: a retry, the time spent waiting for a worker.
+    Outside a call (no `call_stats` block) it does nothing.
+    """
+    stats = _call_stats.get()
+    if stats is not None:
+        stats[key] = stats.get(key, 0) + amount
+
+
+@contextlib.contextmanager
+def call_stats() -> Iterator[dict[str, float]]:
+    """Collect what `count` adds during the block, tasks started inside it included."""
+    stats: dict[str, float] = {}
+    token = _call_stats.set(stats)
+    try:
+        yield stats
+    finally:
+        _call_stats.reset(token)
+
+
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 

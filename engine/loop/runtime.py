@@ -110,6 +110,7 @@ class Runtime:
         """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
         for module in cfg.tool_modules:
             importlib.import_module(module)
+        configure_sandbox(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
             freeze_long_lived_objects()
@@ -166,3 +167,15 @@ def freeze_long_lived_objects() -> None:
         gc.collect()
         gc.freeze()
         _frozen = True
+
+
+def configure_sandbox(cfg: EngineConfig) -> None:
+    """Point the sandbox at its backend: this machine, or workers on the Ray cluster.
+
+    The backend is the process's (one pool of Ray workers serves every runtime of it), so it is
+    set here once per settings rather than carried per call.
+    """
+    from tools.sandbox import backend
+
+    backend.configure(cfg.sandbox_backend, backend.RaySettings(
+        cfg.sandbox_workers, cfg.sandbox_worker_cpus, cfg.sandbox_resource, cfg.sandbox_queue))

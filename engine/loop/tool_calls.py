@@ -40,11 +40,12 @@ class ToolRunner:
 
     async def call(self, tool: tools.Tool, session: Any, call: ToolCall) -> CallResult:
         """One call; never raises except on cancellation. The slot is taken once per call."""
-        text, error = await self._execute(tool, session, call)
+        with tools.registry.call_stats() as stats:  # what the tool counts (`tools.count`): retries, waiting
+            text, error = await self._execute(tool, session, call)
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + TRUNCATION_MARKER.format(n=len(text) - self.max_chars)
             error = error or "output_truncated"
-        return CallResult(call, text, error)
+        return CallResult(call, text, error, stats)
 
     async def _execute(self, tool: tools.Tool, session: Any, call: ToolCall) -> tuple[str, str | None]:
         try:

@@ -80,6 +80,7 @@ class ToolStats:
     errors: dict[str, int] = attrs.field(factory=dict)
     timeouts: int = 0
     seconds: float = 0.0
+    counted: dict[str, float] = attrs.field(factory=dict)  # what tools counted (`tools.count`): retries, waiting
 
     def count(self, result: CallResult) -> None:
         """Count one answered call (errors answered without running count as errors only)."""
@@ -87,9 +88,12 @@ class ToolStats:
             self.errors[result.error] = self.errors.get(result.error, 0) + 1
             if result.error == "timeout":
                 self.timeouts += 1
+        for key, amount in result.stats.items():
+            self.counted[key] = self.counted.get(key, 0) + amount
 
     def as_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "errors": dict(self.errors), "timeouts": self.timeouts, "seconds": self.seconds}
+        return {**self.counted, "calls": self.calls, "errors": dict(self.errors), "timeouts": self.timeouts,
+                "seconds": self.seconds}
 
 
 @attrs.define(eq=False, slots=True)

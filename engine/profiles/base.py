@@ -35,6 +35,7 @@ class CallResult:
     call: ToolCall
     text: str
     error: str | None = None
+    stats: dict[str, float] = attrs.field(factory=dict, eq=False)  # what the tool counted (`tools.count`)
 
 
 class Profile(Protocol):

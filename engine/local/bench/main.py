@@ -20,6 +20,7 @@ import tools
 from engine.local.bench.common import Figure, Sizes
 from engine.local.bench.fsm import fsm_figures
 from engine.local.bench.memory import memory_figure
+from engine.local.bench.ray import ray_figures
 from engine.local.bench.report import format_table, to_json
 from engine.local.bench.rollout import rollout_figures, scale_figure
 from engine.local.bench.sandbox import sandbox_latency_figure, sleep_code, tool_concurrency_figure
@@ -83,6 +84,7 @@ def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[st
     with CannedServer(scenarios) as server:
         http = asyncio.run(_http_figures(server, tokenizer, sizes, clock))
     groups = [http["rollout"], fsm, http["concurrency"], http["latency"], [memory], http["scale"]]
+    groups.append(ray_figures(sizes))  # 7: sandboxed calls on a two-node Ray test cluster (an info row without ray)
     figures = []
     for number, group in enumerate(groups, 1):
         for figure in group:
