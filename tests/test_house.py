@@ -38,24 +38,16 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The project's modules that `path` imports at module level (not inside functions or TYPE_CHECKING)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    """The project's modules that `path` imports anywhere: at module level, inside functions
+    (lazy imports) and under TYPE_CHECKING alike, so a circle cannot hide in a deferred import."""
     found: set[str] = set()
-
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name in modules)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:  # `from pkg import submodule` imports the submodule
-                    sub = f"{node.module}.{alias.name}"
-                    found.add(sub if sub in modules else node.module)
-            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-                visit(node.body + node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body + node.orelse + node.finalbody)
-
-    visit(tree.body)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in modules else node.module)
     return {m for m in found if m in modules}
 
 

@@ -20,6 +20,7 @@ TERMINALS = frozenset({"COMPLETED", "TRUNCATED", "ABORTED", "FAILED"})
 REASON_STATUS: dict[str, str] = {
     "answered": "COMPLETED",
     "prompt_over_budget": "TRUNCATED",
+    "tool_unavailable": "FAILED",
     "context_full": "TRUNCATED",
     "no_new_tokens_asked": "TRUNCATED",
     "max_turns_reached": "TRUNCATED",

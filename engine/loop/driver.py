@@ -11,11 +11,13 @@ broken invariant fires `invariant_violated`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import tools
+from engine.config import log_once
 from engine.loop.runtime import Runtime
 from engine.loop.text import IncrementalText
 from engine.machine import checkpoint
@@ -128,7 +130,13 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
         r.record.error = f"abort requested while {name} ran"
         r.stop_because("abort_requested")
         return Trigger.CANCELLED
-    results = running.result()
+    try:
+        results = running.result()
+    except tools.ToolUnavailable as exc:
+        r.record.tools.seconds += time.perf_counter() - started
+        r.record.error = f"tool {name} cannot work: {exc}"
+        log_once(r.record.error, logging.ERROR)  # one clear error, not one per sample
+        return Trigger.TOOL_UNAVAILABLE
     elapsed = time.perf_counter() - started
     r.record.tools.calls += len(results)
     r.record.tools.seconds += elapsed

@@ -63,7 +63,7 @@ async def log_tool_problems(names: Iterable[str]) -> dict[str, str]:
     """Check the tools and log one error per problem, once per process (slime's start-up)."""
     problems = await check_tools(names)
     for name, reason in problems.items():
-        line = f"tool {name} cannot work: {reason}; every call to it will return an error"
+        line = f"tool {name} cannot work: {reason}; samples that call it end FAILED (tool_unavailable), none of them trained"
         if line not in _logged:
             _logged.add(line)
             log.error(line)

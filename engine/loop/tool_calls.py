@@ -56,6 +56,8 @@ class ToolRunner:
                     out = await asyncio.wait_for(tool.execute(session, **arguments), self.timeout + GRACE_SECONDS)
         except tools.ToolError as exc:
             return f"Error: {exc.message}", exc.kind
+        except tools.ToolUnavailable:
+            raise  # not the model's error: the driver ends the sample
         except asyncio.TimeoutError:
             return f"Error: {call.name} timed out after {self.timeout:g} seconds", "timeout"
         except Exception as exc:  # a tool's bug is the model's error observation, not our crash

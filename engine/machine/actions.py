@@ -125,6 +125,7 @@ def append_observation(r: Rollout) -> None:
     if r.record.turn_log:
         r.record.turn_log[-1]["observation_tokens"] = len(r.turn.observation_ids)
         r.record.turn_log[-1]["tools"] = [res.call.name for res in r.turn.results]
+        r.record.turn_log[-1]["errors"] = [res.error for res in r.turn.results]
 
 
 def trim_to_budget(r: Rollout) -> None:

@@ -47,6 +47,7 @@ class Trigger(str, Enum):
     DISPATCH = "dispatch"
     OBSERVE = "observe"
     TOOL_DONE = "tool_done"
+    TOOL_UNAVAILABLE = "tool_unavailable"
     TRIM = "trim"
     CRASHED = "crashed"
     CANCELLED = "cancelled"
@@ -87,7 +88,7 @@ STATES: tuple[StateDef, ...] = (
     StateDef(S.COMPLETED,    "terminal", "the model gave its final answer"),
     StateDef(S.TRUNCATED,    "terminal", "a budget ran out (context, turns, tool calls) or the turn hit its max_new_tokens"),
     StateDef(S.ABORTED,      "terminal", "the attempt ended on an unusable reply, a server abort, a failed request, a cancellation, the caller's abort, or a broken invariant (response discarded)"),
-    StateDef(S.FAILED,       "terminal", "an engine error, or a request the server rejected"),
+    StateDef(S.FAILED,       "terminal", "an engine error, a request the server rejected, or a tool that cannot work (nothing of it trained)"),
 )
 # fmt: on
 TERMINALS = frozenset(d.name for d in STATES if d.kind == "terminal")

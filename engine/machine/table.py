@@ -105,11 +105,16 @@ def core_edges() -> list[Edge]:
 
 
 def tool_edges(name: str) -> list[Edge]:
-    """A registered tool's state: entered while calls to it wait, left when they are answered."""
+    """A registered tool's state: entered while calls to it wait, left when they are answered.
+
+    A tool whose infrastructure cannot work (its sandbox cannot run code) is not the model's
+    error to learn from: the sample ends FAILED, and the adapter keeps all of it out of training.
+    """
     state = tool_state(name)
     return [
         Edge(State.TOOL_CALL, Trigger.DISPATCH, state, guards.calls_for(name)),
         Edge(state, Trigger.TOOL_DONE, State.TOOL_CALL),
+        Edge(state, Trigger.TOOL_UNAVAILABLE, State.FAILED),
     ]
 
 

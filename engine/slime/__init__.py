@@ -23,6 +23,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.loop.attempts import run_attempts
 from engine.loop.driver import new_rollout
+from engine.loop.preflight import log_tool_problems
 from engine.profiles.reward import retool_score
 from engine.machine.rollout import Rollout
 from engine.loop.runtime import Runtime
@@ -115,6 +116,9 @@ async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: boo
     try:
         cfg = EngineConfig.from_args(args)
         rt = runtime_for(cfg)
+        if cfg not in _probed:  # once per settings: one clear error at start-up for a tool that cannot work
+            _probed.add(cfg)
+            await log_tool_problems(rt.allowed_tools())
     except Exception as exc:  # settings or tokenizer unusable: every sample says so, none crashes
         _log_setup_failure(exc)
         return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params)
@@ -122,6 +126,7 @@ async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: boo
 
 
 _setup_errors: set[str] = set()
+_probed: set[EngineConfig] = set()
 
 
 def _log_setup_failure(exc: Exception) -> None:

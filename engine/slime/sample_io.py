@@ -19,6 +19,9 @@ from engine.machine.table import get_machine
 from engine.sglang.wire import top_p_asked
 
 FSM = "fsm"  # the one key of sample.metadata that the engine writes
+# Reasons whose sample slime must not train on (`remove_sample`): no token of it fits the budget,
+# or a tool it needed could not work (not the model's doing).
+NOT_TRAINED = frozenset({"prompt_over_budget", "tool_unavailable"})
 BAD_INPUT = "bad_sample_input"  # the sample, its sampling params or its tools cannot be read
 SETUP_FAILED = "engine_setup_failed"  # settings or tokenizer unusable
 ADAPTER_CRASHED = "crashed"  # a bug outside the machine; the sample still comes back
@@ -208,7 +211,7 @@ def write_sample(
     if hasattr(sample, "non_generation_time"):
         sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds
     add_call_stats(sample, r.record.call_stats)
-    if r.reason == "prompt_over_budget" or exhausted:
+    if r.reason in NOT_TRAINED or exhausted:
         sample.remove_sample = True  # slime keeps it in its group, trains none of it
     status = getattr(type(sample), "Status", None)
     state = "FAILED" if exhausted else r.state

@@ -157,7 +157,7 @@ def test_the_summary_of_a_run_with_failing_tools_names_the_error(tmp_path: Path)
     assert got.code == 1, got.err  # every call failed: not a success, whatever the statuses say
     assert "error: every tool call failed (3 of 3)" in got.err
     assert f"       3  {TEXT}" in got.out  # the most common error text, with its count
-    assert f"warning: 3 of 3 tool calls (code_interpreter) failed with 'sandbox': {TEXT}" in got.out
+    assert f"warning: 3 of 3 calls of code_interpreter failed with 'sandbox': {TEXT}" in got.out
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2]
     assert "Traceback" not in got.err

@@ -153,7 +153,7 @@ def test_tool_check_reasons(caplog: pytest.LogCaptureFixture) -> None:
             run(log_tool_problems(["checked_tool"]))
             run(log_tool_problems(["checked_tool"]))
         assert [r.getMessage() for r in caplog.records].count(
-            "tool checked_tool cannot work: probe failed: no user namespaces; every call to it will return an error") == 1
+            "tool checked_tool cannot work: probe failed: no user namespaces; samples that call it end FAILED (tool_unavailable), none of them trained") == 1
     with registered(Checked(OSError("boom"))):
         assert run(check_tools(["checked_tool"])) == {"checked_tool": "its check failed: OSError: boom"}
     with registered(Checked("hang")):

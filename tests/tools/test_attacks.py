@@ -22,16 +22,8 @@ import pytest
 
 from tools.sandbox import runner as sandbox
 from tools.sandbox.attacks import suite as attacks
-from tools.sandbox.attacks.suite import (
-    Lab,
-    Outcome,
-    all_attacks,
-    default_lab,
-    exit_code,
-    processes,
-    render_table,
-    run_suite,
-)
+from tools.sandbox.attacks.lab import Lab, Outcome, processes
+from tools.sandbox.attacks.suite import all_attacks, default_lab, exit_code, render_table, run_suite
 
 KNOWN_GAPS: dict[str, str] = {}
 NAMES = [name for name, _ in all_attacks()]

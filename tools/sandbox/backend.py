@@ -15,9 +15,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-import attrs
-from attrs import validators as v
 
+from tools.sandbox.dispatch import RaySettings
 from tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; importing it needs ray
@@ -31,22 +30,6 @@ RAY_MISSING = (
     "install the engine's `ray` extra (pip install 'fsm-rollout-engine[ray]') or `pip install ray`, "
     "or set engine_sandbox_backend: local"
 )
-
-
-@attrs.frozen
-class RaySettings:
-    """How the Ray pool is sized and placed.
-
-    `workers` actors, each reserving `cpus` CPUs (and running `ceil(cpus)` calls at once);
-    `resource`, when set, is a custom resource every worker also takes one unit of, so the
-    workers land only on nodes started with it (CPU nodes, not the GPU nodes that train).
-    `queue` bounds the calls waiting for a free worker; one more is refused (`sandbox_busy`).
-    """
-
-    workers: int = attrs.field(default=4, validator=v.gt(0))
-    cpus: float = attrs.field(default=1.0, validator=v.gt(0))
-    resource: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
-    queue: int = attrs.field(default=256, validator=v.ge(0))
 
 
 def check_backend(kind: str) -> None:

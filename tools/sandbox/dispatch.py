@@ -14,8 +14,25 @@ import time
 from typing import Any
 
 import attrs
+from attrs import validators as v
 
 MAX_SESSIONS = 65536  # sticky sessions remembered; the oldest is forgotten first (release forgets too)
+
+
+@attrs.frozen
+class RaySettings:
+    """How the Ray pool is sized and placed.
+
+    `workers` actors, each reserving `cpus` CPUs (and running `ceil(cpus)` calls at once);
+    `resource`, when set, is a custom resource every worker also takes one unit of, so the
+    workers land only on nodes started with it (CPU nodes, not the GPU nodes that train).
+    `queue` bounds the calls waiting for a free worker; one more is refused (`sandbox_busy`).
+    """
+
+    workers: int = attrs.field(default=4, validator=v.gt(0))
+    cpus: float = attrs.field(default=1.0, validator=v.gt(0))
+    resource: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
+    queue: int = attrs.field(default=256, validator=v.ge(0))
 
 
 class Busy(Exception):

@@ -40,10 +40,9 @@ import attrs
 import ray
 from ray import exceptions as ray_errors
 
-import tools
+from tools.registry import ToolError, count
 from tools.sandbox import host as host_protocol
-from tools.sandbox.backend import RaySettings
-from tools.sandbox.dispatch import Busy, Dispatcher, Slot
+from tools.sandbox.dispatch import Busy, Dispatcher, RaySettings, Slot
 from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 
 log = logging.getLogger(__name__)
@@ -279,9 +278,9 @@ class RayPool:
             except Busy as exc:
                 if self.closed:
                     raise SandboxError("the Ray sandbox pool was shut down") from None
-                raise tools.ToolError("sandbox_busy", f"the sandbox is busy: {exc}") from None
+                raise ToolError("sandbox_busy", f"the sandbox is busy: {exc}") from None
             finally:
-                tools.count("sandbox_wait_s", time.monotonic() - waited)
+                count("sandbox_wait_s", time.monotonic() - waited)
             try:
                 if started is None:
                     started, run_limits = time.monotonic(), limits
@@ -295,26 +294,26 @@ class RayPool:
                 self.calls_by_node[node] += 1
                 return _result(reply, run_limits)
             except _Lost as exc:
-                tools.count("sandbox_workers_lost")
+                count("sandbox_workers_lost")
                 log.warning("sandbox worker %d lost mid-call (%s); replacing it", slot.index, exc)
                 if slot.handle is handle:
                     self._replace(slot)
                 if self.closed:
                     raise SandboxError("the Ray sandbox pool was shut down during the call") from None
                 if attempt == 0:
-                    tools.count("sandbox_retries")
+                    count("sandbox_retries")
             except _Hung:
-                tools.count("sandbox_workers_hung")
+                count("sandbox_workers_hung")
                 log.warning("sandbox worker %d did not answer within %.1f s; replacing it", slot.index,
                             run_limits.timeout_s + HANG_MARGIN_S)
                 if slot.handle is handle:
                     self._replace(slot)
-                raise tools.ToolError(
+                raise ToolError(
                     "worker_hung", f"the sandbox worker did not answer within {limits.timeout_s:g} seconds"
                 ) from None
             finally:
                 self.dispatcher.release(slot)
-        raise tools.ToolError("worker_lost", "the sandbox worker running this code was lost (node lost or worker "
+        raise ToolError("worker_lost", "the sandbox worker running this code was lost (node lost or worker "
                                              "killed), and so was the retry; the code's result is unknown")
 
     async def _call(self, handle: Any, code: str, limits: SandboxLimits, stdin: bytes | None) -> dict[str, Any]:

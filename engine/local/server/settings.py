@@ -66,7 +66,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     Each number is checked by its argparse type, so a bad one is a usage error, not a traceback.
     """
-    from engine.cli import whole  # the command line's own argument types
+    from engine.arguments import whole  # the command line's own argument types
 
     def port(text: str) -> int:
         value = whole(0)(text)

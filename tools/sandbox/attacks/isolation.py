@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from tools.sandbox import runner as sandbox
-from tools.sandbox.attacks.suite import PROJECT, Lab, Verdict, alive, attack
+from tools.sandbox.attacks.lab import PROJECT, Lab, Verdict, alive, attack
 
 # What an errno seen by the sandboxed program says about the layer that stopped it.
 WHY = {

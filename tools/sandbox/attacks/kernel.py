@@ -28,7 +28,7 @@ from pathlib import Path
 import attrs
 
 from tools.sandbox import runner as sandbox
-from tools.sandbox.attacks.suite import PRELUDE, PROJECT, Lab, Verdict, alive, attack, processes
+from tools.sandbox.attacks.lab import PRELUDE, PROJECT, Lab, Verdict, alive, attack, processes
 
 _MIB = 1 << 20
 SYS = {"x86_64": {"add_key": 248, "keyctl": 250}, "aarch64": {"add_key": 217, "keyctl": 219}}.get(platform.machine(), {})

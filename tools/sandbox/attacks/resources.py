@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 
-from tools.sandbox.attacks.suite import PROJECT, Lab, Verdict, alive, attack, processes
+from tools.sandbox.attacks.lab import PROJECT, Lab, Verdict, alive, attack, processes
 
 _MIB = 1 << 20
 
