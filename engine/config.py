@@ -203,6 +203,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_sandbox_resource", str, None, "a custom Ray resource the sandbox workers need (to keep them on CPU nodes)"),
     Setting("engine_sandbox_queue", int, 256, "calls that may wait for a free Ray worker", low=0, high=10**7),
     Setting("engine_gc_freeze", bool, True, "gc.freeze() long-lived objects once at start-up"),
+    Setting("engine_gc_defer_full", bool, True, "defer automatic full GC collections while samples are in flight; one when they drain"),
     Setting("engine_abort_status", str, "retry", "a sample whose attempt failed: re-run it (retry), or hand ABORTED back at once (aborted, for a caller that re-queues)", choices=("retry", "aborted")),
     Setting("engine_sample_attempts", int, 3, "attempts of one sample before it ends FAILED with remove_sample", low=1, high=1000),
     Setting("engine_sample_deadline", float, 1800.0, "seconds after which no new attempt of a sample starts", low=0, high=7 * DAY, above_low=True),
@@ -324,6 +325,7 @@ class EngineConfig:
     mask_offpolicy: bool = False
     tokenizer_path: str | None = None
     gc_freeze: bool = True  # see engine.loop.runtime.freeze_long_lived_objects
+    gc_defer_full: bool = True  # see engine.loop.runtime.FullCollections
     # What a sample that cannot finish hands back (see engine.loop.attempts): "retry" re-runs it
     # from RESET up to `sample_attempts` times within `sample_deadline` seconds, then ends it
     # FAILED with remove_sample; "aborted" hands ABORTED back at once, for a caller that re-queues.
@@ -429,6 +431,7 @@ class EngineConfig:
             mask_offpolicy=get("mask_offpolicy_in_partial_rollout"),
             tokenizer_path=get("hf_checkpoint"),
             gc_freeze=get("engine_gc_freeze"),
+            gc_defer_full=get("engine_gc_defer_full"),
             abort_status=get("engine_abort_status"),
             sample_attempts=get("engine_sample_attempts"),
             sample_deadline=get("engine_sample_deadline"),

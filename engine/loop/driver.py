@@ -18,7 +18,7 @@ from typing import Any
 
 import tools
 from engine.config import log_once
-from engine.loop.runtime import Runtime
+from engine.loop.runtime import Runtime, full_collections
 from engine.loop.text import IncrementalText
 from engine.machine import checkpoint
 from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
@@ -218,6 +218,9 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
     """Walk `r` from RESET to a terminal state. Re-raises only CancelledError, after recording it."""
     machine = machine or get_machine()
     text = IncrementalText(rt.profile.decode)
+    deferred = r.cfg.gc_defer_full
+    if deferred:
+        full_collections.enter()
     try:
         while r.state not in TERMINALS:
             try:
@@ -236,6 +239,8 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
                 _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)
         finish(rt, r, machine, text)
     finally:
+        if deferred:
+            full_collections.exit()
         await release_tool_sessions(r)
     return r
 

@@ -169,6 +169,40 @@ def freeze_long_lived_objects() -> None:
         _frozen = True
 
 
+class FullCollections:
+    """Automatic full (gen-2) collections deferred while samples are in flight, one run when they drain.
+
+    A full collection walks every tracked object; with thousands of samples in flight it
+    stalls the event loop for hundreds of ms, more than anything else the engine does
+    (measured: 419 ms at 4,096 in flight, 70 ms with automatic collection off). Young
+    generations still run, so short-lived cycles are still freed; what survives them waits
+    for the drain. The collector is the process's, so this is one counter per process.
+    """
+
+    def __init__(self) -> None:
+        self._in_flight = 0
+        self._saved: tuple[int, int, int] | None = None
+
+    def enter(self) -> None:
+        """A sample starts."""
+        if self._in_flight == 0:
+            self._saved = gc.get_threshold()
+            gen0, gen1, _ = self._saved
+            gc.set_threshold(gen0, gen1, 1 << 30)  # the third threshold gates full collections
+        self._in_flight += 1
+
+    def exit(self) -> None:
+        """A sample ended; the last one out restores the thresholds and collects once."""
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._saved is not None:
+            gc.set_threshold(*self._saved)
+            self._saved = None
+            gc.collect()
+
+
+full_collections = FullCollections()
+
+
 def configure_sandbox(cfg: EngineConfig) -> None:
     """Point the sandbox at its backend: this machine, or workers on the Ray cluster.
 
