@@ -122,7 +122,8 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     started = time.perf_counter()
     if name not in r.tool_sessions:
         r.tool_sessions[name] = await tool.create()
-    running = asyncio.ensure_future(asyncio.gather(*(rt.tool_runner.call(tool, r.tool_sessions[name], c) for c in mine)))
+    calls = [asyncio.ensure_future(rt.tool_runner.call(tool, r.tool_sessions[name], c)) for c in mine]
+    running = asyncio.ensure_future(asyncio.gather(*calls))
     if not await finished_unless_aborted(rt, running):
         # The caller is ending the step: cut the calls (cancelling a sandboxed run kills its
         # process) and end resumable, so the caller's abort() does not wait on them.
@@ -133,6 +134,9 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     try:
         results = running.result()
     except tools.ToolUnavailable as exc:
+        for call in calls:  # the turn's other calls: nothing started is left running
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
         r.record.tools.seconds += time.perf_counter() - started
         r.record.error = f"tool {name} cannot work: {exc}"
         log_once(r.record.error, logging.ERROR)  # one clear error, not one per sample
