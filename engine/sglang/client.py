@@ -342,7 +342,7 @@ class SGLangClient:
             if isinstance(outcome, Reply):
                 return outcome
             if isinstance(outcome, Failure):
-                return attrs.evolve(outcome, attempts=attempt)
+                return outcome
             delay = self._delay(attempt, outcome)
             left = deadline - loop.time()
             if attempt >= self.retry.max_attempts or delay >= left:
@@ -350,7 +350,7 @@ class SGLangClient:
                 if attempt < self.retry.max_attempts:
                     asked = f"the server asked for {outcome.retry_after:.3g}s, " if outcome.retry_after is not None else ""
                     why += f" ({asked}{max(left, 0.0):.3g}s left of the {self.retry.deadline:g}s retry deadline)"
-                return Failure("unavailable", f"{why}: {outcome.message}", outcome.status, attempts=attempt)
+                return Failure("unavailable", f"{why}: {outcome.message}", outcome.status)
             self.retries_spent += 1
             log.debug("retrying /generate in %.2fs after: %s", delay, outcome.message)
             await asyncio.sleep(delay)

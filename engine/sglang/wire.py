@@ -88,7 +88,6 @@ class Failure:
     kind: FailureKind
     message: str
     status: int | None = None
-    attempts: int = 1
 
 
 _CONTEXT_PATTERNS = re.compile(

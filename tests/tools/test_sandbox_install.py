@@ -124,6 +124,14 @@ def test_a_venv_under_tmp_runs_a_code_call(tmp_path: Path) -> None:
     assert (int(uid) >= runner.UID_BASE) == ROOT
     if got["isolation"]["mntns"]:
         assert str(venv.resolve()) in got["isolation"]["exposed"]
+    assert got["isolation"]["interpreter_reexecutable"] is True  # a venv as `python -m venv` makes it (0755)
+    # A venv in a directory only its owner may enter (mktemp -d makes 0700): the code still runs
+    # (the zygote never execs), but as a uid of its own it could not start the interpreter again,
+    # and the probe says so.
+    venv.chmod(0o700)
+    got = engine_process(str(venv / "bin" / "python"))
+    assert got["ok"] and got["text"].startswith("Output:\n42"), got
+    assert got["isolation"]["interpreter_reexecutable"] is (not ROOT)
 
 
 SECCOMP = """

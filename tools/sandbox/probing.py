@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import sys
 import threading
 from typing import Any
 
@@ -21,7 +23,10 @@ from tools.sandbox.runner import SandboxError, SandboxLimits, capabilities, run_
 
 # A module never preloaded by the zygote (so the standard library must be reachable from
 # the sandbox), a write in the working directory, and a known answer.
-PROBE_CODE = "import colorsys\nopen('probe.txt', 'w').write('ok')\nprint(6 * 7)\n"
+# The last line: whether code in the sandbox could start the interpreter again (subprocess,
+# multiprocessing); a parent directory the run's uid cannot enter (a venv in a 0700 dir) says no.
+PROBE_CODE = ("import colorsys, os, sys\nopen('probe.txt', 'w').write('ok')\nprint(6 * 7)\n"
+              "print(int(os.access(sys.executable, os.X_OK)))\n")
 PROBE_LIMITS = SandboxLimits(timeout_s=30.0)
 
 
@@ -40,6 +45,7 @@ class _Abandoned(Exception):
     """The caller running the shared probe was cancelled: the others start their own."""
 
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _result: concurrent.futures.Future[SandboxProbe] | None = None
 
@@ -51,8 +57,14 @@ async def _run_probe() -> SandboxProbe:
         return SandboxProbe(False, f"the sandbox cannot be set up: {e}", _isolation())
     except OSError as e:
         return SandboxProbe(False, f"the sandbox cannot be set up: {type(e).__name__}: {e}", _isolation())
-    if result.returncode == 0 and result.stdout == "42\n":
-        return SandboxProbe(True, "", _isolation())
+    if result.returncode == 0 and result.stdout.startswith("42\n"):
+        isolation = _isolation()
+        isolation["interpreter_reexecutable"] = result.stdout.endswith("\n1\n")
+        if not isolation["interpreter_reexecutable"]:
+            log.warning("sandboxed code runs, but code that starts the interpreter again (subprocess, multiprocessing) "
+                        "will fail: the sandbox's uid cannot execute %s (a parent directory it cannot enter, e.g. a "
+                        "venv in a mode-0700 directory: make it 0755)", sys.executable)
+        return SandboxProbe(True, "", isolation)
     said = (result.stderr.strip().splitlines() or [""])[-1][:300]
     how = "timed out" if result.timed_out else f"exited {result.returncode}"
     return SandboxProbe(False, f"the sandbox cannot run code: the probe program {how}, printed "
