@@ -23,7 +23,7 @@ from engine.local.bench.memory import memory_figure
 from engine.local.bench.ray import ray_figures
 from engine.local.bench.report import format_table, to_json
 from engine.local.bench.rollout import rollout_figures, scale_figure
-from engine.local.bench.sandbox import sandbox_latency_figure, sleep_code, tool_concurrency_figure
+from engine.local.bench.sandbox import sandbox_figures, sleep_code, tool_concurrency_figure
 from engine.local.bench.server import CannedServer, scenario
 from engine.profiles.tokenizer import load_tokenizer
 
@@ -50,8 +50,8 @@ class _Clock:
 
 
 async def _http_figures(server: CannedServer, tokenizer: Any, sizes: Sizes, clock: _Clock) -> dict[str, list[Figure]]:
-    clock.start("4 sandbox latency")
-    latency = await sandbox_latency_figure(sizes)
+    clock.start("4 sandbox cost")
+    sandbox = await sandbox_figures(sizes)
     clock.start("3 tool concurrency")
     concurrency = await tool_concurrency_figure(server, tokenizer, sizes)
     clock.start("1 rollout")
@@ -60,7 +60,7 @@ async def _http_figures(server: CannedServer, tokenizer: Any, sizes: Sizes, cloc
     # One pass: it is the longest figure, and a stall is a maximum over the whole pass anyway.
     scale = await scale_figure(server, tokenizer, sizes, repeats=1)
     clock.stop()
-    return {"rollout": rollout, "concurrency": [concurrency], "latency": [latency], "scale": scale}
+    return {"rollout": rollout, "concurrency": [concurrency], "sandbox": sandbox, "scale": scale}
 
 
 def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[str, Any]]:
@@ -83,7 +83,7 @@ def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[st
     }
     with CannedServer(scenarios) as server:
         http = asyncio.run(_http_figures(server, tokenizer, sizes, clock))
-    groups = [http["rollout"], fsm, http["concurrency"], http["latency"], [memory], http["scale"]]
+    groups = [http["rollout"], fsm, http["concurrency"], http["sandbox"], [memory], http["scale"]]
     groups.append(ray_figures(sizes))  # 7: sandboxed calls on a two-node Ray test cluster (an info row without ray)
     figures = []
     for number, group in enumerate(groups, 1):

@@ -191,15 +191,10 @@ async def _schedule(samples: int, calls: int, seconds: float) -> float:
     return time.perf_counter() - t0
 
 
-async def sandbox_latency_figure(sizes: Sizes) -> Figure:
-    """Figure 4: p50 of `print(1)` through the code interpreter next to `python -I -S -c pass`."""
-    return (await sandbox_figures(sizes, full=False))[0]
-
-
-async def sandbox_figures(sizes: Sizes, *, full: bool = True) -> list[Figure]:
+async def sandbox_figures(sizes: Sizes) -> list[Figure]:
     """The sandbox's cost, each beside a bare interpreter start measured in the same run:
-    `print(1)` latency and CPU per call, calls per second at 32 concurrent, and (with
-    `full`) sleeping calls overlapping at 16 x 1 s and 64 x 2 x 0.5 s, and cancel time."""
+    `print(1)` latency and CPU per call, calls per second at 32 concurrent, sleeping calls
+    overlapping at 16 x 1 s and 64 x 2 x 0.5 s, and how long a cancel takes."""
     runs = sizes.sandbox_runs
     times, cpu = await _latency_and_cpu(runs)
     p50 = {name: percentile(t, 50) * 1e3 for name, t in times.items()}
@@ -212,8 +207,6 @@ async def sandbox_figures(sizes: Sizes, *, full: bool = True) -> list[Figure]:
         Figure("sandbox_cpu", "sandbox print(1) CPU per call (engine + zygote + child)", cpu["sandbox"] * 1e3, "ms",
                cpu[BARE] * 1e3, f"{BARE} CPU", "value", "<=", 15.0, runs),
     ]
-    if not full:
-        return figures
     kinds = _kinds()
     total = max(64, 4 * runs)
     rates = {}
