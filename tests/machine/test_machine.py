@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
 import httpx
 import pytest
 import respx
+from transitions import MachineError
 
 import tools
 from engine.config import EngineConfig, RetryPolicy
@@ -161,6 +163,17 @@ def resumable_sample() -> Any:
     r, _ = walk([turn(CODE), aborted], sample=sample, partial_rollout=True)
     write_sample(sample, r)  # as engine.slime.run_sample does
     return sample
+
+
+def test_a_row_is_taken_only_from_its_own_source_state():
+    """The short-path event (`_RowEvent`) still refuses a row from another state, and changes nothing."""
+    machine = get_machine()
+    r = SimpleNamespace(state="COMPLETED")
+    assert machine.fire(r, "reply") is False  # no row of (COMPLETED, reply)
+    event = next(name for name in machine._machine.events if name.startswith("reply["))
+    with pytest.raises(MachineError, match="cannot be taken from state COMPLETED"):
+        machine._machine.events[event].trigger(r)
+    assert r.state == "COMPLETED"
 
 
 def script_through(state: str) -> tuple[list, dict[str, Any]]:

@@ -149,6 +149,6 @@ def fsm_figures(sizes: Sizes) -> list[Figure]:
                median(add_model) * us, f"Machine.add_model ({states} states, {sizes.add_models} models)", "value", "<=",
                5.0, sizes.repeats, {"add_model_us": median(add_model) * us}),
         Figure("fsm_transition", "per transition: RolloutMachine.fire (guards + actions)", median(fsm) * us, "us",
-               median(plain) * us, "plain Python over the same table", "value", "<=", 15.0, sizes.repeats,
+               median(plain) * us, "plain Python over the same table", "value", "<=", 10.0, sizes.repeats,
                {"machine_overhead_us": (median(fsm) - median(plain)) * us, "cycles": sizes.fsm_cycles}),
     ]
