@@ -15,6 +15,7 @@ from typing import Any
 import tools
 from engine.config import EngineConfig
 from engine.profiles.base import CallResult, ToolCall
+from engine.sglang.client import within
 
 TRUNCATION_MARKER = "\n...[tool output truncated: {n} characters dropped]"
 GRACE_SECONDS = 5.0  # tools enforce their own timeout; this is the engine's backstop
@@ -53,7 +54,7 @@ class ToolRunner:
             arguments = tools.registry.check_arguments(schema, call.arguments)
             async with self.slots:
                 with tools.registry.call_timeout_set(self.timeout):
-                    out = await asyncio.wait_for(tool.execute(session, **arguments), self.timeout + GRACE_SECONDS)
+                    out = await within(self.timeout + GRACE_SECONDS, tool.execute(session, **arguments))  # no task per call
         except tools.ToolError as exc:
             return f"Error: {exc.message}", exc.kind
         except tools.ToolUnavailable:
