@@ -24,7 +24,7 @@ from typing import Any
 
 from engine.machine.rollout import Restored, ResumeAt, Rollout, Saved
 from engine.machine.states import State
-from engine.machine.trajectory import Segment, Trajectory
+from engine.machine.trajectory import Segment, Trajectory, as_float64
 
 VERSION = 1
 
@@ -66,7 +66,7 @@ def make_checkpoint(r: Rollout, tool_states: frozenset[str]) -> dict[str, Any]:
         "prompt_length": t.prompt_length,
         "prompt_sha": _sha(t.prompt_ids),
         "response_length": t.response_length,
-        "response_sha": _sha(t.response_ids, t.logprobs, *_top_p_arrays(t.top_p_ids, t.top_p_offsets)),
+        "response_sha": _sha(t.response_ids, as_float64(t.logprobs), *_top_p_arrays(t.top_p_ids, t.top_p_offsets)),
         "segments": [[s.kind, s.start, s.end, s.weight_version] for s in t.segments],
         "resume_at": at,
         "partial_turn_tokens": partial,

@@ -5,9 +5,14 @@ optional top-p replay arrays and the optional routed experts (routing replay, R3
 (`reset`, `append_model_turn`, `append_observation`, `trim`, `mask_tokens_before`), each
 of which moves all arrays together, so no other code can make them disagree.
 
-Arrays are `array.array` rather than lists: a 32k-token sample costs ~13 bytes per
+Arrays are `array.array` rather than lists: a 32k-token sample costs ~9 bytes per
 token instead of ~70 for lists of boxed ints and floats, which matters with tens of
 thousands of samples in flight. They become lists only when handed to slime.
+
+Logprobs are held as float32 while every value the server sent is one exactly (SGLang's
+are: its logprobs are float32 tensors made Python floats), so slime gets back the very
+numbers the server sent (I4). The first value float32 cannot hold turns the array to
+float64 for the rest of the sample. Fingerprints read logprobs as float64 either way.
 
 Routed experts are rows of `num_layers x topk` int32, one per token of the whole sequence
 (prompt included) except the last, kept as raw bytes (48 layers x top-8 is 1.5 KB a token).
@@ -38,9 +43,22 @@ class InvariantViolation(Exception):
         self.detail = detail
 
 
+def as_float64(logprobs: array) -> array:
+    """Logprobs as float64, the form every fingerprint reads (storage may be float32)."""
+    return logprobs if logprobs.typecode == "d" else array("d", logprobs)
+
+
+def narrowed(logprobs: array) -> array:
+    """`logprobs` as float32 if every value is exactly a float32 one, else unchanged."""
+    if logprobs.typecode == "f":
+        return logprobs
+    narrow = array("f", logprobs)
+    return narrow if narrow.tolist() == logprobs.tolist() else logprobs
+
+
 def _digest(ids: array, logprobs: array) -> int:
     """A cheap fingerprint of a model segment, so `check(full=True)` can prove I4."""
-    return zlib.crc32(logprobs.tobytes(), zlib.crc32(ids.tobytes()))
+    return zlib.crc32(as_float64(logprobs).tobytes(), zlib.crc32(ids.tobytes()))
 
 
 @attrs.frozen
@@ -60,7 +78,7 @@ class Trajectory:
 
     prompt_ids: array = attrs.field(factory=lambda: array("i"))
     response_ids: array = attrs.field(factory=lambda: array("i"))
-    logprobs: array = attrs.field(factory=lambda: array("d"))
+    logprobs: array = attrs.field(factory=lambda: array("f"))  # float32 while exact; see the module docstring
     loss_mask: array = attrs.field(factory=lambda: array("b"))
     segments: list[Segment] = attrs.field(factory=list)
     # Top-p replay (slime's rollout_top_p_token_ids/offsets): token i's kept ids are
@@ -135,7 +153,7 @@ class Trajectory:
         Model segments get their fingerprints from the given ids and logprobs: the caller
         has already proved those are the ones the checkpoint was written for.
         """
-        t = cls(array("i", prompt_ids), ids, logprobs, loss_mask, expert_row_bytes=expert_row_bytes)
+        t = cls(array("i", prompt_ids), ids, narrowed(logprobs), loss_mask, expert_row_bytes=expert_row_bytes)
         if expert_row_bytes:
             t.experts = bytearray(experts or b"")
         t.segments = [
@@ -150,7 +168,7 @@ class Trajectory:
         """Start over from a prompt: every per-token array is emptied together."""
         self.prompt_ids = array("i", prompt_ids)
         self.response_ids = array("i")
-        self.logprobs = array("d")
+        self.logprobs = array("f")
         self.loss_mask = array("b")
         self.segments = []
         self.top_p_ids = None
@@ -183,7 +201,7 @@ class Trajectory:
                 raise ValueError("top-p offsets do not match the turn's tokens")
         elif self.top_p_offsets is not None and ids:
             raise ValueError("this trajectory carries top-p replay but the turn has none")
-        new_ids, new_logprobs = array("i", ids), array("d", logprobs)
+        new_ids, new_logprobs = array("i", ids), self._logprob_array(logprobs)
         start = len(self.response_ids)
         self._extend(new_ids, new_logprobs, 1)
         if self.experts is not None and experts is not None:
@@ -208,7 +226,8 @@ class Trajectory:
         if not ids:
             return
         start = len(self.response_ids)
-        self._extend(array("i", ids), array("d", bytes(8 * len(ids))), 0)
+        lp = self.logprobs
+        self._extend(array("i", ids), array(lp.typecode, bytes(lp.itemsize * len(ids))), 0)
         if self.top_p_offsets is not None:
             # Observation tokens keep no nucleus: empty spans, as slime pads them.
             self.top_p_offsets.extend([self.top_p_offsets[-1]] * len(ids))
@@ -243,6 +262,15 @@ class Trajectory:
         """Set the loss mask to 0 for response tokens before `position` (off-policy masking)."""
         end = min(position, len(self.loss_mask))
         self.loss_mask[:end] = array("b", bytes(end))
+
+    def _logprob_array(self, values: Sequence[float]) -> array:
+        """`values` in the trajectory's storage, turning it to float64 if float32 would change one."""
+        if self.logprobs.typecode == "f":
+            narrow = array("f", values)
+            if narrow.tolist() == (values if isinstance(values, list) else list(values)):
+                return narrow
+            self.logprobs = array("d", self.logprobs)  # exact as float64: they were float32 values
+        return array("d", values)
 
     def _extend(self, ids: array, logprobs: array, mask: int) -> None:
         self.response_ids.extend(ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from types import SimpleNamespace
 
 import pytest
 
@@ -144,7 +145,8 @@ def test_arrays_are_compact():
     t.reset([])
     t.append_model_turn(list(range(1000, 33000)), [-0.5] * 32000)
     assert isinstance(t.response_ids, array) and t.response_ids.itemsize == 4
-    assert t.response_ids.buffer_info()[1] * 4 + len(t.logprobs) * 8 + len(t.loss_mask) < 32000 * 14
+    assert t.logprobs.itemsize == 4  # -0.5 is a float32 value
+    assert t.response_ids.buffer_info()[1] * 4 + len(t.logprobs) * 4 + len(t.loss_mask) < 32000 * 10
 
 
 # -- routed experts (routing replay, R3): rows of 2 layers x top-1, aligned with tokens[:-1] ----
@@ -214,3 +216,53 @@ def test_check_catches_rows_that_do_not_match_the_tokens():
     t.experts.append(0)  # not whole rows
     with pytest.raises(InvariantViolation, match="I1"):
         t.check()
+
+
+# -- logprob storage: float32 while exact, float64 from the first value float32 cannot hold ----
+def test_float32_logprobs_are_held_in_four_bytes_and_come_back_exactly():
+    t = Trajectory()
+    t.reset([1])
+    values = array("f", [-0.1, -2.5e-7, -13.75]).tolist()  # what SGLang sends: float32 values as Python floats
+    t.append_model_turn([5, 6, 7], values)
+    t.append_observation([8])
+    assert t.logprobs.itemsize == 4
+    assert t.logprobs.tolist() == values + [0.0]
+    t.check(full=True)
+
+
+def test_a_value_float32_cannot_hold_turns_the_storage_to_float64_keeping_every_value():
+    t = Trajectory()
+    t.reset([1])
+    first = array("f", [-0.1, -0.3]).tolist()
+    t.append_model_turn([5, 6], first)
+    t.append_observation([7])
+    t.append_model_turn([8], [-0.1])  # -0.1 as a double is not a float32 value
+    assert t.logprobs.itemsize == 8
+    assert t.logprobs.tolist() == first + [0.0, -0.1]
+    t.check(full=True)  # the first turn's fingerprint, taken as float32, still holds
+    t.append_observation([9])
+    assert t.logprobs.tolist()[-1] == 0.0 and t.logprobs.itemsize == 8
+    t.trim(2)
+    t.check(full=True)
+
+
+@pytest.mark.parametrize("values", [array("f", [-0.5, -0.1]).tolist(), [-0.5, -0.1]], ids=["float32", "float64"])
+def test_a_checkpoint_restores_either_storage_exactly(values):
+    from engine.machine import checkpoint
+    from engine.machine.rollout import Saved
+
+    t = Trajectory()
+    t.reset([1, 2])
+    t.append_model_turn([5, 6], values)
+    r = SimpleNamespace(traj=t, record=SimpleNamespace(trace=[("GENERATE", "reply", "TOOL_CALL")], turn_log=[]),
+                        turn=SimpleNamespace(reply=None, pending_calls=[]), turn_count=1, tool_call_count=0,
+                        tool_calls_before_turn=0, attempt=1)
+    cp = checkpoint.make_checkpoint(r, frozenset())
+    saved = Saved(cp, [1, 2, 5, 6], 2, [1, 1], t.logprobs.tolist())
+    restored = checkpoint.validate(saved, [1, 2], mask_offpolicy=False)
+    assert not isinstance(restored, str), restored
+    assert restored.traj.logprobs.tolist() == values
+    assert restored.traj.logprobs.itemsize == (4 if values[1] == array("f", values)[1] else 8)
+    restored.traj.check(full=True)
+    tampered = Saved(cp, [1, 2, 5, 6], 2, [1, 1], [values[0], values[1] + 2**-30])
+    assert checkpoint.validate(tampered, [1, 2], mask_offpolicy=False) == "response ids, logprobs or top-p replay were changed"
