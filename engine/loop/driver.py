@@ -19,7 +19,6 @@ from typing import Any
 import tools
 from engine.config import log_once
 from engine.loop.runtime import Runtime, full_collections
-from engine.loop.text import IncrementalText
 from engine.machine import checkpoint
 from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
 from engine.machine.states import TERMINALS, State, Trigger
@@ -202,26 +201,9 @@ async def _next_trigger(rt: Runtime, r: Rollout, machine: RolloutMachine) -> str
     return await STEPS[r.state](rt, r)
 
 
-def _sync_text(text: IncrementalText, r: Rollout, trigger: str, start: int, turn: TurnScratch, resumed_tokens: int) -> None:
-    """Keep `r.text` equal to decode(response ids), using the turn's own decode when it fits.
-
-    Only a `reply` edge that appended the turn's ids whole can reuse the turn's text, and
-    not when the turn continued a resumed one (`resumed_tokens` > 0: its text starts with
-    tokens already in the response).
-    """
-    reply = turn.reply
-    grew_by_turn = (trigger == Trigger.REPLY and reply is not None and turn.text and not resumed_tokens
-                    and r.traj.response_length == start + len(reply.ids))
-    if not (grew_by_turn and text.take(start, r.traj.response_length, turn.text)):
-        r.text = text.sync(r.traj.response_ids)
-    else:
-        r.text = text.current
-
-
 async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) -> Rollout:
     """Walk `r` from RESET to a terminal state. Re-raises only CancelledError, after recording it."""
     machine = machine or get_machine()
-    text = IncrementalText(rt.profile.decode)
     deferred = r.cfg.gc_defer_full
     if deferred:
         full_collections.enter()
@@ -229,19 +211,18 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
         while r.state not in TERMINALS:
             try:
                 trigger = await _next_trigger(rt, r, machine)
-                start, turn, resumed = r.traj.response_length, r.turn, r.partial_turn_tokens
                 _fire(machine, r, trigger)
-                _sync_text(text, r, trigger, start, turn, resumed)
             except asyncio.CancelledError:
                 r.record.error = "cancelled while in " + r.state
                 _fire_fault(machine, r, Trigger.CANCELLED if machine.can(r, Trigger.CANCELLED) else Trigger.CRASHED)
+                finish(rt, r, machine)  # a cancelled sample is handed back too: its text must match its ids
                 raise
             except Exception as exc:
                 r.record.error = f"{type(exc).__name__}: {exc}"
                 _fire_fault(machine, r, Trigger.CRASHED)
             if r.record.violation is not None:
                 _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)
-        finish(rt, r, machine, text)
+        finish(rt, r, machine)
     finally:
         if deferred:
             full_collections.exit()
@@ -249,16 +230,26 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
     return r
 
 
-def finish(rt: Runtime, r: Rollout, machine: RolloutMachine, text: IncrementalText) -> None:
-    """At the terminal: the full check (I1-I4, I2, and the text against one full decode)."""
+def finish(rt: Runtime, r: Rollout, machine: RolloutMachine) -> None:
+    """At the terminal: the full check (I1-I4, I2), then the response text from the ids, in one decode.
+
+    The text is derived here and nowhere else (I3 by construction): a character split across
+    turns is whole, a TRIM is reflected, and no in-flight sample holds its text (~4 bytes a token).
+    """
     try:
-        r.text = text.sync(r.traj.response_ids)
-        r.traj.check(max_total_length=r.budget_at_end(), full=True, decode=rt.profile.decode, text=r.text)
-    except Exception as exc:  # InvariantViolation, or a decode that failed
-        r.record.violation = str(exc) if isinstance(exc, InvariantViolation) else f"text: {exc}"
+        r.traj.check(max_total_length=r.budget_at_end(), full=True)
+    except InvariantViolation as exc:
+        r.record.violation = str(exc)
+        if r.state != State.ABORTED:
+            _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)  # the trajectory is emptied: nothing untrusted
+    try:
+        r.text = rt.profile.decode(r.traj.response_ids.tolist())
+    except Exception as exc:  # a tokenizer that cannot decode ids it made
+        r.record.violation = f"text: {exc}"
         if r.state != State.ABORTED:
             _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)
-        r.text = rt.profile.decode(r.traj.response_ids.tolist())
+        r.traj.reset(r.prompt_ids)  # no response is better than one whose text is unknown
+        r.text = ""
     r.final_text = final_model_text(rt, r)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
+
 from engine.machine.rollout import Rollout, TurnScratch
 from engine.profiles.base import ToolCall
 
@@ -59,6 +61,9 @@ def append_model_turn(r: Rollout) -> None:
                              reply.routed_experts, r.traj.routed_rows if start is None else start)
     r.partial_turn_tokens = 0
     _log_turn(r)
+    # The trajectory holds the turn now. The reply's boxed ids and logprobs (~64 bytes a token)
+    # would otherwise stay until the next turn; only its verdict (finish, problem) is read again.
+    r.turn.reply = attrs.evolve(reply, ids=[], logprobs=[], top_p=None, routed_experts=None)
 
 
 def record_unusable_reply(r: Rollout) -> None:
@@ -129,7 +134,7 @@ def append_observation(r: Rollout) -> None:
 
 
 def trim_to_budget(r: Rollout) -> None:
-    """Cut every per-token array to the budget together; the text is rebuilt from the ids."""
+    """Cut every per-token array to the budget together (the text is made from the ids at the end)."""
     assert r.token_budget is not None
     cut = r.traj.trim(r.token_budget - r.traj.prompt_length)
     if r.record.turn_log:

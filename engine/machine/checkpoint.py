@@ -21,7 +21,6 @@ import hashlib
 from array import array
 from typing import Any
 
-
 from engine.machine.rollout import Restored, ResumeAt, Rollout, Saved
 from engine.machine.states import State
 from engine.machine.trajectory import Segment, Trajectory, as_float64

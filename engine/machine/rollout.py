@@ -64,7 +64,7 @@ class TurnScratch:
     """One turn's I/O results, read by the guards; replaced whole at the start of every turn."""
 
     reply: Reply | None = None
-    text: str = ""  # the turn's text, decoded once (parsed, and fed to the running response text)
+    text: str = ""  # the turn's text, decoded once (what the profile parses)
     parsed: Turn | None = None
     pending_calls: list[ToolCall] = attrs.field(factory=list)  # planned calls not yet run by their tool's state
     refused: list[tuple[ToolCall, str]] = attrs.field(factory=list)  # calls answered with an error, unrun, and why
@@ -141,7 +141,7 @@ class Rollout:
     tool_calls_before_turn: int = 0  # so a resumed turn re-runs its calls within the same budget
     turn: TurnScratch = attrs.field(factory=TurnScratch)
     record: Record = attrs.field(factory=Record)
-    text: str = ""  # the response text, kept equal to decode(response ids)
+    text: str = ""  # decode(response ids), made once the sample ends (the driver's `finish`)
     final_text: str = ""  # the model's own tokens after the last observation, decoded (what rewards read)
     tool_sessions: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool name
     # Partial rollout: what RESET made of the caller's checkpoint, and how far the last turn got.

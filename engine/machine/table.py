@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+
 import attrs
 from transitions import Machine, MachineError
 from transitions.core import Event

@@ -16,14 +16,14 @@ from transitions import MachineError
 import tools
 from engine.config import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
+from engine.loop.runtime import Runtime
+from engine.machine.rollout import Rollout
 from engine.machine.states import TERMINALS
 from engine.machine.table import MachineSpec, RolloutMachine, get_machine
 from engine.profiles.retool import INVALID_ACTION, render_retool_prompt
-from engine.machine.rollout import Rollout
-from engine.loop.runtime import Runtime
 from engine.slime.sample_io import read_checkpoint, write_sample
 from tests.conftest import run
-from tests.support.helpers import retool_schemas, IM_END, SAMPLING, URL, ScriptedServer, encode, reply_body, tok, turn
+from tests.support.helpers import IM_END, SAMPLING, URL, ScriptedServer, encode, reply_body, retool_schemas, tok, turn
 
 CODE = "<code>\nprint(1)\n</code>"
 ANSWER = "Answer: \\boxed{1}"
@@ -145,6 +145,50 @@ def test_sample_can_restrict_its_tools(fake_interpreter):
     r = run(go())
     assert r.record.tools.errors == {"unknown_tool": 1}
     assert '"name": "code_interpreter"' not in tok().decode(r.traj.prompt_ids.tolist())
+
+
+def test_a_character_split_by_an_abort_is_whole_in_the_resumed_samples_text():
+    """🦩 is two byte-level tokens in Qwen3: the abort keeps the first, the resumed turn sends the second."""
+    from engine.local.sample import Sample
+
+    assert tok().decode([123918, 102]) == "🦩"
+    sample = Sample(prompt=PROMPT)
+    first = encode("A flamingo: ") + [123918]
+    r, _ = walk([httpx.Response(200, json=reply_body(first, finish="abort"))], sample=sample, partial_rollout=True)
+    assert r.state == "ABORTED" and r.text == tok().decode(first) and r.text.endswith("\ufffd")
+    write_sample(sample, r)
+    second = [102] + encode(" done. " + ANSWER) + [IM_END]
+    r, _ = walk([httpx.Response(200, json=reply_body(second))], sample=sample, partial_rollout=True)
+    assert r.state == "COMPLETED" and r.traj.response_ids.tolist() == first + second
+    assert r.text == tok().decode(first + second) and r.text.startswith("A flamingo: 🦩 done.")
+
+
+def test_a_cancelled_sample_is_handed_back_with_the_text_of_its_ids(fake_interpreter):
+    async def go() -> Rollout:
+        gate = asyncio.Event()
+
+        async def slow(request):  # the second request never answers
+            if gate.is_set():
+                await asyncio.sleep(3600)
+            gate.set()
+            return turn(CODE)
+
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=slow)
+            rt = Runtime.create(cfg(), tokenizer=tok())
+            r = new_rollout(rt, PROMPT, dict(SAMPLING))
+            task = asyncio.ensure_future(drive(rt, r))
+            while r.turn_count < 1 or r.state != "GENERATE":
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await rt.aclose()
+        return r
+
+    r = run(go())
+    assert r.state == "ABORTED" and r.traj.response_length > 0
+    assert r.text == tok().decode(r.traj.response_ids.tolist()) and "print(1)" in r.text
 
 
 # -- fault edges from every state --------------------------------------------------------

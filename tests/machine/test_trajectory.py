@@ -7,9 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.loop.text import IncrementalText
 from engine.machine.trajectory import InvariantViolation, Trajectory
-from tests.support.helpers import encode, tok
 
 
 def make() -> Trajectory:
@@ -119,25 +117,6 @@ def test_budget_and_text_checks():
         t.check(max_total_length=8)
     with pytest.raises(InvariantViolation, match="I3"):
         t.check(full=True, decode=lambda ids: "x" * len(ids), text="wrong")
-
-
-def test_incremental_text_equals_full_decode_when_a_character_is_split_across_turns():
-    """🦩 is two byte-level tokens in Qwen3; each turn ends or starts with half of it."""
-    first = encode("A flamingo: ") + [123918]  # first half of 🦩
-    second = [102] + encode(" and 世界 done")  # second half, then more
-    assert tok().decode([123918, 102]) == "🦩"
-    t = Trajectory()
-    t.reset([1])
-    text = IncrementalText(lambda ids: tok().decode(ids))
-    t.append_model_turn(first, [-0.1] * len(first))
-    partial = text.sync(t.response_ids)
-    assert partial.endswith("\ufffd")  # the half character shows as U+FFFD for now
-    t.append_observation(second)
-    full = text.sync(t.response_ids)
-    assert full == tok().decode(t.response_ids.tolist()) == "A flamingo: 🦩 and 世界 done"
-    t.check(full=True, decode=lambda ids: tok().decode(ids), text=full)
-    t.trim(len(first))  # TRIM back into the split character: text rebuilt from ids
-    assert text.sync(t.response_ids) == tok().decode(first)
 
 
 def test_arrays_are_compact():

@@ -4,8 +4,9 @@ Each sample is built the way the engine builds it: a `Rollout`, its prompt reset
 the `Trajectory`, then turns of model tokens (through the `append_model_turn` action,
 from a parsed `Reply`, so the turn log is kept too) and observations (through
 `append_observation`), until the response holds `memory_tokens` tokens. The sample also
-keeps what the driver leaves on it between turns (the last reply's ids and logprobs, the
-response text) and what the HTTP client keeps for it: the encoded request body, extended
+keeps what the driver leaves on it between turns (the last turn's scratch: the reply, let go
+of its ids and logprobs once they are in the trajectory, and the turn's decoded text; the
+response text is made only when the sample ends) and what the HTTP client keeps for it: the encoded request body, extended
 turn by turn and sent as it is (while a request is in flight, that body is what the
 transport holds; the reply's bytes live only until they are parsed). Traced bytes
 (tracemalloc) of everything still alive, divided by the number of samples, are compared
@@ -45,7 +46,7 @@ def _reply_body(turn: int) -> dict[str, Any]:
     }
 
 
-def build_sample(cfg: EngineConfig, tokens: int, text: str, client: SGLangClient | None = None) -> Rollout:
+def build_sample(cfg: EngineConfig, tokens: int, client: SGLangClient | None = None) -> Rollout:
     """One rollout holding a `tokens`-long response, built through the engine's actions.
 
     With a `client`, every turn's request body is built as the driver has it built, so the
@@ -58,13 +59,13 @@ def build_sample(cfg: EngineConfig, tokens: int, text: str, client: SGLangClient
     while r.traj.response_length < tokens:
         if client is not None:
             client.body(r.traj, r.inputs.sampling_params, TURN_TOKENS)
-        r.turn = TurnScratch(reply=parse_reply(_reply_body(turn)))
+        turn_text = "x" * (TURN_TOKENS * CHARS_PER_TOKEN - 1) + chr(97 + turn % 26)  # a string of its own, as decode gives
+        r.turn = TurnScratch(reply=parse_reply(_reply_body(turn)), text=turn_text)
         a.append_model_turn(r)
         r.turn.observation_ids = [(turn + i) % 150000 for i in range(min(OBSERVATION_TOKENS, tokens - r.traj.response_length))]
         a.append_observation(r)
         turn += 1
     r.traj.trim(tokens)
-    r.text = text[:-1] + chr(97 + len(r.record.trace) % 26)  # a string of its own, as decode would give
     return r
 
 
@@ -84,13 +85,12 @@ def memory_figure(sizes: Sizes) -> Figure:
     """Traced bytes per sample, request body included, against the same per-token data as Python lists."""
     cfg = EngineConfig(max_turns=10**6, max_tool_calls=10**6)
     tokens, n = sizes.memory_tokens, sizes.memory_samples
-    text = "x" * (tokens * CHARS_PER_TOKEN)
     client = SGLangClient("http://127.0.0.1:1", None, RetryPolicy())  # type: ignore[arg-type]  # bodies only
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        samples = [build_sample(cfg, tokens, text, client) for _ in range(n)]
+        samples = [build_sample(cfg, tokens, client) for _ in range(n)]
         for r in samples:  # the body of the next request, as the driver would send it now
             client.body(r.traj, r.inputs.sampling_params, TURN_TOKENS)
         gc.collect()
@@ -98,7 +98,7 @@ def memory_figure(sizes: Sizes) -> Figure:
         client._bodies.clear()
         gc.collect()
         without_body = tracemalloc.get_traced_memory()[0]
-        for r in samples:  # what the last reply (ids, logprobs) alone holds
+        for r in samples:  # what the last turn's scratch (reply, turn text) alone holds
             r.turn = TurnScratch()
         gc.collect()
         without_reply = tracemalloc.get_traced_memory()[0]
@@ -113,6 +113,6 @@ def memory_figure(sizes: Sizes) -> Figure:
         "memory", f"bytes per in-flight sample, {tokens}-token response, request body included ({n} samples)",
         per_sample, "B", float(raw), "ids+logprobs+mask as Python lists", "value", "<=", float(320 << 10), 1,
         {"array_payload_bytes": arrays, "request_body_bytes": (after - without_body) / n,
-         "last_reply_bytes": (without_body - without_reply) / n, "text_bytes": sys.getsizeof(one.text),
+         "last_turn_bytes": (without_body - without_reply) / n, "response_text_bytes": sys.getsizeof(one.text),
          "turns": one.turn_count, "bytes_per_token": per_sample / tokens},
     )
