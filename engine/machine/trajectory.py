@@ -342,13 +342,14 @@ class Trajectory:
             expected_start = seg.end
             mask = self.loss_mask[seg.start : seg.end]
             lps = self.logprobs[seg.start : seg.end]
+            # Whole-array scans in C (count, sum, max): this walk runs once per sample, over every token.
             if seg.kind == "observation":
-                if any(mask) or any(lp != 0.0 for lp in lps):
+                if mask.count(0) != len(mask) or lps.count(0.0) != len(lps):
                     raise InvariantViolation("I4", f"observation {seg.start}:{seg.end} has mask 1 or logprob != 0")
             else:
                 if _digest(self.response_ids[seg.start : seg.end], lps) != seg.digest:
                     raise InvariantViolation("I4", f"model turn {seg.start}:{seg.end} differs from the server's")
-                if any(math.isnan(lp) or lp > 0.0 for lp in lps):
+                if math.isnan(sum(lps)) or max(lps) > 0.0:  # a NaN anywhere makes the sum NaN
                     raise InvariantViolation("I4", f"model turn {seg.start}:{seg.end} has a logprob > 0 or NaN")
         if self.top_p_offsets is not None and any(
             b < a for a, b in zip(self.top_p_offsets, self.top_p_offsets[1:])
