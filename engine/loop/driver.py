@@ -122,7 +122,7 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     if name not in r.tool_sessions:
         r.tool_sessions[name] = await tool.create()
     calls = [asyncio.ensure_future(rt.tool_runner.call(tool, r.tool_sessions[name], c)) for c in mine]
-    running = asyncio.ensure_future(asyncio.gather(*calls))
+    running = calls[0] if len(calls) == 1 else asyncio.gather(*calls)
     if not await finished_unless_aborted(rt, running):
         # The caller is ending the step: cut the calls (cancelling a sandboxed run kills its
         # process) and end resumable, so the caller's abort() does not wait on them.
@@ -131,7 +131,7 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
         r.stop_because("abort_requested")
         return Trigger.CANCELLED
     try:
-        results = running.result()
+        results = [running.result()] if running is calls[0] else running.result()
     except tools.ToolUnavailable as exc:
         for call in calls:  # the turn's other calls: nothing started is left running
             call.cancel()
@@ -147,22 +147,28 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     return Trigger.TOOL_DONE
 
 
-async def finished_unless_aborted(rt: Runtime, task: asyncio.Future[Any]) -> bool:
-    """Wait for `task`; if the caller starts aborting first, cancel it, wait for it, return False."""
-    abort = asyncio.ensure_future(rt.until_abort())
-    try:
-        await asyncio.wait({task, abort}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise
-    finally:
-        abort.cancel()
-    if task.done():
-        return True
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return False
+async def finished_unless_aborted(rt: Runtime, work: asyncio.Future[Any]) -> bool:
+    """Wait for `work`; if the caller starts aborting first, it is cancelled and waited for: False.
+
+    The runtime's poller cancels watched work when the abort starts, so a wait costs no task
+    of its own. If this task is cancelled, `work` is cancelled, waited for, and the
+    cancellation re-raised.
+    """
+    if rt.abort_requested():
+        work.cancel()
+    else:
+        rt.watch(work)
+        try:
+            await asyncio.wait((work,))  # a cancellation of this task lands here, not in `work`
+        except asyncio.CancelledError:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise
+        finally:
+            rt.unwatch(work)
+    if not work.done():  # cancelled just now: let it end
+        await asyncio.gather(work, return_exceptions=True)
+    return not work.cancelled()
 
 
 STEPS: dict[str, StateStep] = {

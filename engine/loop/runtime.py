@@ -7,20 +7,18 @@ import gc
 import importlib
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 import tools
-from collections.abc import Callable
-
-from engine.loop.abort import AbortSignal
-from engine.sglang.client import SGLangClient, make_http_client
 from engine.config import EngineConfig
+from engine.loop.abort import AbortSignal
+from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
-from engine.loop.tool_calls import ToolRunner
-
+from engine.sglang.client import SGLangClient, make_http_client
 
 START_GATE = 32  # prompts rendered per event-loop turn when many samples start at once
 PROMPT_CACHE = 4096
@@ -42,9 +40,8 @@ class Runtime:
     # gets a say between every few dozen of them instead of after thousands.
     start_gate: asyncio.Semaphore = attrs.field(factory=lambda: asyncio.Semaphore(START_GATE))
     _prompts: OrderedDict[tuple[str, frozenset[str], str, int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
-    # One poller of the abort check for every tool call waiting on it, not a timer per call.
-    _abort_seen: asyncio.Event | None = attrs.field(default=None, init=False)
-    _abort_waiters: int = attrs.field(default=0, init=False)
+    # One poller of the abort check for every tool turn running, not a task or a timer per turn.
+    _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
     async def prompt_ids(
@@ -78,30 +75,26 @@ class Runtime:
         """Whether samples should stop before their next generation."""
         return bool(self.abort) or (self.abort_check is not None and self.abort_check())
 
-    async def until_abort(self) -> None:
-        """Return once the caller starts aborting (for awaits that must not outlive the step).
+    def watch(self, work: asyncio.Future[Any]) -> None:
+        """Cancel `work` as soon as the caller starts aborting (within ABORT_POLL_SECONDS).
 
         The abort check is a flag to poll (slime's `GenerateState.aborted`); one task per runtime
-        polls it every ABORT_POLL_SECONDS while anything waits here.
+        polls it while anything is watched. Call `unwatch` once `work` is done.
         """
-        if self.abort_requested():
-            return
-        if self._abort_seen is None or self._abort_seen.is_set():  # a new step after an abort
-            self._abort_seen = asyncio.Event()
-        seen = self._abort_seen
-        self._abort_waiters += 1
-        try:
-            if self._abort_poller is None or self._abort_poller.done():
-                self._abort_poller = asyncio.ensure_future(self._poll_abort())
-            await seen.wait()
-        finally:
-            self._abort_waiters -= 1
+        self._cut_on_abort.add(work)
+        if self._abort_poller is None or self._abort_poller.done():
+            self._abort_poller = asyncio.ensure_future(self._poll_abort())
+
+    def unwatch(self, work: asyncio.Future[Any]) -> None:
+        """Stop watching `work`."""
+        self._cut_on_abort.discard(work)
 
     async def _poll_abort(self) -> None:
-        while self._abort_waiters > 0:
+        while self._cut_on_abort:
             await asyncio.sleep(ABORT_POLL_SECONDS)
-            if self.abort_requested() and self._abort_seen is not None:
-                self._abort_seen.set()
+            if self.abort_requested():
+                for work in list(self._cut_on_abort):
+                    work.cancel()
 
     @classmethod
     def create(
