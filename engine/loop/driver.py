@@ -19,7 +19,7 @@ from typing import Any
 import tools
 from engine.config import log_once
 from engine.loop.runtime import Runtime, full_collections
-from engine.machine import checkpoint
+from engine.machine import actions, checkpoint
 from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
 from engine.machine.states import TERMINALS, State, Trigger
 from engine.machine.table import RolloutMachine, get_machine
@@ -241,22 +241,28 @@ def finish(rt: Runtime, r: Rollout, machine: RolloutMachine) -> None:
 
     The text is derived here and nowhere else (I3 by construction): a character split across
     turns is whole, a TRIM is reflected, and no in-flight sample holds its text (~4 bytes a token).
+    Never raises: whatever fails here is recorded as a violation and the response discarded.
     """
     try:
         r.traj.check(max_total_length=r.budget_at_end(), full=True)
-    except InvariantViolation as exc:
-        r.record.violation = str(exc)
-        if r.state != State.ABORTED:
-            _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)  # the trajectory is emptied: nothing untrusted
+    except Exception as exc:  # InvariantViolation, or a bug in the check itself
+        _distrust(machine, r, str(exc) if isinstance(exc, InvariantViolation) else f"check: {exc}")
     try:
         r.text = rt.profile.decode(r.traj.response_ids.tolist())
+        r.final_text = final_model_text(rt, r)
     except Exception as exc:  # a tokenizer that cannot decode ids it made
-        r.record.violation = f"text: {exc}"
-        if r.state != State.ABORTED:
-            _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)
-        r.traj.reset(r.prompt_ids)  # no response is better than one whose text is unknown
-        r.text = ""
-    r.final_text = final_model_text(rt, r)
+        _distrust(machine, r, f"text: {exc}")
+        r.text = r.final_text = ""
+
+
+def _distrust(machine: RolloutMachine, r: Rollout, violation: str) -> None:
+    """A terminal sample whose data failed a check: record why and keep nothing of its response."""
+    r.record.violation = violation
+    if r.state != State.ABORTED:
+        _fire_fault(machine, r, Trigger.INVARIANT_VIOLATED)  # its edge discards the response
+    else:  # no edge leaves a terminal state: do what that edge does
+        actions.discard_response(r)
+        r.record.reason = Trigger.INVARIANT_VIOLATED.value
 
 
 def final_model_text(rt: Runtime, r: Rollout) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 from transitions import Machine, MachineError
@@ -248,6 +249,21 @@ class _TableMachine(Machine):
     """`transitions.Machine` whose events take their row directly (see `_RowEvent`)."""
 
     event_cls = _RowEvent
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # The short path honours only what this table uses; refuse anything it would skip.
+        skipped = [name for name in ("prepare_event", "before_state_change", "after_state_change", "finalize_event",
+                                     "on_exception", "on_final") if getattr(self, name)]
+        if self.has_queue or self.model_attribute != "state" or skipped:
+            raise ValueError(f"the rollout machine's short path cannot honour: queued / model_attribute / {skipped}")
+        for state in self.states.values():
+            if state.on_enter or state.on_exit or state.final:
+                raise ValueError(f"the rollout machine's short path skips enter/exit callbacks ({state.name})")
+        for event in self.events.values():
+            for source, rows in event.transitions.items():
+                if len(rows) != 1 or rows[0].conditions or rows[0].prepare or rows[0].dest is None:
+                    raise ValueError(f"{event.name} from {source}: the short path takes one unconditional row with a dest")
 
 
 class RolloutMachine:

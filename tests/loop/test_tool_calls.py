@@ -24,8 +24,10 @@ class Hangs(tools.Tool):
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.started = asyncio.Event()
 
-    async def execute(self, state: Any, seconds: float = 3600.0) -> str:
+    async def execute(self, state: Any, seconds: float = 5.0) -> str:
+        self.started.set()
         try:
             await asyncio.sleep(seconds)
         except asyncio.CancelledError:
@@ -49,6 +51,7 @@ def test_a_tool_past_its_limit_is_cut_by_the_engine_and_answered_timeout(monkeyp
     started = time.perf_counter()
     result = run(runner.call(tool, None, ToolCall("hangs", {})))
     elapsed = time.perf_counter() - started
+    # (without the engine's limit the tool would answer "done" after its 5 s sleep)
     assert (result.text, result.error) == ("Error: hangs timed out after 0.1 seconds", "timeout")
     assert tool.cancelled and 0.15 <= elapsed < 2.0  # the tool's own await was cancelled, at limit + grace
 
@@ -63,7 +66,7 @@ def test_a_cancelled_call_is_cancelled_not_answered() -> None:
 
     async def cancel_soon() -> None:
         task = asyncio.ensure_future(ToolRunner(EngineConfig()).call(tool, None, ToolCall("hangs", {})))
-        await asyncio.sleep(0.05)
+        await tool.started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -147,6 +147,51 @@ def test_sample_can_restrict_its_tools(fake_interpreter):
     assert '"name": "code_interpreter"' not in tok().decode(r.traj.prompt_ids.tolist())
 
 
+@pytest.mark.parametrize("extra", [
+    {"queued": True},
+    {"after_state_change": [lambda *a: None]},
+    {"transitions": [{"trigger": "t", "source": "A", "dest": "B", "conditions": [lambda *a: True]}]},
+    {"transitions": [{"trigger": "t", "source": "A", "dest": "B"}, {"trigger": "t", "source": "A", "dest": "A"}]},
+    {"states": [{"name": "A", "on_exit": [lambda *a: None]}, "B"]},
+], ids=["queued", "machine_callback", "condition", "two_rows", "state_callback"])
+def test_the_short_path_refuses_what_it_would_skip(extra):
+    from engine.machine.table import _TableMachine
+
+    config = {"model": None, "states": ["A", "B"], "initial": "A", "auto_transitions": False,
+              "transitions": [{"trigger": "t", "source": "A", "dest": "B"}], **extra}
+    with pytest.raises(ValueError, match="short path"):
+        _TableMachine(**config)
+
+
+@pytest.mark.parametrize("ending", ["answered", "server_aborted"])
+def test_a_response_whose_text_cannot_be_made_is_discarded_and_recorded(ending, fake_interpreter):
+    """`finish` never raises: a decode that fails at the end leaves no response and says why."""
+    last = turn(ANSWER) if ending == "answered" else httpx.Response(200, json=reply_body(encode("So"), finish="abort"))
+
+    async def go() -> Rollout:
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=ScriptedServer([turn(CODE), last]))
+            rt = Runtime.create(cfg(), tokenizer=tok())
+            decode = rt.profile.decode
+
+            def fragile(ids: list[int]) -> str:  # decodes each turn, fails on the whole response
+                if r.traj.segments and len(ids) == r.traj.response_length and len(r.traj.segments) > 1:
+                    raise RuntimeError("cannot decode")
+                return decode(ids)
+
+            object.__setattr__(rt.profile, "decode", fragile)
+            r = new_rollout(rt, PROMPT, dict(SAMPLING))
+            await drive(rt, r)
+            await rt.aclose()
+        return r
+
+    r = run(go())
+    assert r.state == "ABORTED" and r.record.reason == "invariant_violated"
+    assert r.record.violation == "text: cannot decode"
+    assert r.traj.response_length == 0 and r.text == "" and r.final_text == ""
+    r.traj.check(full=True)
+
+
 def test_a_character_split_by_an_abort_is_whole_in_the_resumed_samples_text():
     """🦩 is two byte-level tokens in Qwen3: the abort keeps the first, the resumed turn sends the second."""
     from engine.local.sample import Sample

@@ -113,6 +113,6 @@ def memory_figure(sizes: Sizes) -> Figure:
         "memory", f"bytes per in-flight sample, {tokens}-token response, request body included ({n} samples)",
         per_sample, "B", float(raw), "ids+logprobs+mask as Python lists", "value", "<=", float(320 << 10), 1,
         {"array_payload_bytes": arrays, "request_body_bytes": (after - without_body) / n,
-         "last_turn_bytes": (without_body - without_reply) / n, "response_text_bytes": sys.getsizeof(one.text),
+         "last_turn_bytes": (without_body - without_reply) / n,
          "turns": one.turn_count, "bytes_per_token": per_sample / tokens},
     )
