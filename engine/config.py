@@ -192,6 +192,7 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_tool_modules", "names", (), "modules imported so their tools register"),
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
     Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
+    Setting("engine_max_reply_bytes", int, 1 << 30, "bytes one /generate reply may hold; a larger one fails the request", low=1 << 16, high=1 << 40),
     Setting("engine_retry_attempts", int, 6, "attempts per request (1: no retry)", low=1, high=1000),
     Setting("engine_retry_deadline", float, None, "seconds over all attempts of one request, the one in flight included (default: the request timeout)", low=0, high=7 * DAY, above_low=True),
     Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
@@ -316,6 +317,7 @@ class EngineConfig:
     tool_modules: tuple[str, ...] = ()  # modules imported so their tools register
     request_timeout: float = attrs.field(default=1800.0, validator=_positive)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
+    max_reply_bytes: int = attrs.field(default=1 << 30, validator=_positive)  # routing replay replies run to 100s of MB
     max_connections: int = attrs.field(default=512, validator=_positive)
     # httpx | aiohttp (httpx-aiohttp) | aiohttp_direct | auto: aiohttp_direct where aiohttp is
     # installed and respx is not mocking httpx, else httpx. See engine.sglang.client.
@@ -424,6 +426,7 @@ class EngineConfig:
             tool_modules=get("engine_tool_modules"),
             request_timeout=request_timeout,
             connect_timeout=get("engine_connect_timeout"),
+            max_reply_bytes=get("engine_max_reply_bytes"),
             max_connections=connections,
             http_transport=get("engine_http_transport"),
             retry=retry,

@@ -68,6 +68,31 @@ class RequestTimeout(httpx.TimeoutException):
     """The whole request (connect to last byte) took longer than its budget."""
 
 
+class ReplyTooLarge(Exception):
+    """A reply declared or sent more bytes than `engine_max_reply_bytes`; it was not read further."""
+
+    def __init__(self, status: int, limit: int, declared: int | None = None) -> None:
+        size = f"declared {declared} bytes" if declared is not None else f"ran past {limit} bytes"
+        super().__init__(f"HTTP {status} reply {size}, over engine_max_reply_bytes={limit}")
+        self.status = status
+
+
+def _declared_length(headers: Any) -> int | None:
+    value = headers.get("content-length")
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+async def _read_capped(chunks: Any, status: int, limit: int) -> bytes:
+    """Join an async iterator of byte chunks, raising `ReplyTooLarge` once it passes `limit`."""
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise ReplyTooLarge(status, limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 async def within(seconds: float, awaitable: Awaitable[T]) -> T:
     """Await with one deadline for all of it; raises `TimeoutError` when it passes."""
     timeout = getattr(asyncio, "timeout", None)
@@ -123,9 +148,11 @@ class HttpPool:
     """
 
     def __init__(
-        self, max_connections: int, timeout: httpx.Timeout, per_shard: int = SHARD_CONNECTIONS, transport: str = "httpx"
+        self, max_connections: int, timeout: httpx.Timeout, per_shard: int = SHARD_CONNECTIONS, transport: str = "httpx",
+        max_body: int = 1 << 30,
     ) -> None:
         self.transport = resolve_transport(transport)
+        self.max_body = max_body  # a reply past it raises ReplyTooLarge: memory is bounded, not only time
         # One TLS context for all clients: httpx builds one per client otherwise, loading the CA
         # bundle each time (~15 ms and ~0.7 MiB per shard: 2 s and 90 MiB at 512 connections).
         tls = ssl.create_default_context()
@@ -147,17 +174,22 @@ class HttpPool:
             import aiohttp  # noqa: F401  # loaded now, so its errors are among the transient ones
         self._errors = _transient_errors()
 
-    async def request(self, method: str, url: str, *, limit: float | None = None, **kwargs: Any) -> httpx.Response:
+    async def request(self, method: str, url: str, *, limit: float | None = None, **kwargs: Any) -> RawResponse:
         """A request on a client with a free connection; returns with the body read.
 
         `limit` bounds the whole request in seconds once it holds a connection, from connect
         to the body's last byte (httpx's own timeouts are per read: a server dripping a byte
-        at a time never trips them). Raises `RequestTimeout` when it passes.
+        at a time never trips them). Raises `RequestTimeout` when it passes, and `ReplyTooLarge`
+        when the body declares or runs past `max_body` bytes (nothing more of it is read).
         """
         async with self._gate:
             shard = self._free.pop()  # the gate guarantees one; LIFO reuses warm connections
             try:
-                send = self.shards[shard].request(method, url, **kwargs)
+                client = self.shards[shard]
+                if isinstance(client, DirectClient):
+                    send = client.request(method, url, max_body=self.max_body, **kwargs)
+                else:
+                    send = _httpx_request(client, method, url, self.max_body, **kwargs)
                 if limit is None:
                     return await send
                 try:
@@ -167,7 +199,7 @@ class HttpPool:
             finally:
                 self._free.append(shard)
 
-    async def post(self, url: str, *, limit: float | None = None, **kwargs: Any) -> httpx.Response:
+    async def post(self, url: str, *, limit: float | None = None, **kwargs: Any) -> RawResponse:
         """POST through `request`."""
         return await self.request("POST", url, limit=limit, **kwargs)
 
@@ -185,6 +217,19 @@ class HttpPool:
         """Close every client and its connections."""
         for client in self.shards:
             await client.aclose()
+
+
+async def _httpx_request(client: httpx.AsyncClient, method: str, url: str, max_body: int, **kwargs: Any) -> RawResponse:
+    """`client.request`, reading the body as a stream that stops at `max_body` bytes (decoded)."""
+    response = await client.send(client.build_request(method, url, **kwargs), stream=True)
+    try:
+        declared = _declared_length(response.headers)
+        if declared is not None and declared > max_body:
+            raise ReplyTooLarge(response.status_code, max_body, declared)
+        body = await _read_capped(response.aiter_bytes(), response.status_code, max_body)
+    finally:
+        await response.aclose()
+    return RawResponse(response.status_code, response.headers, body)
 
 
 def _aiohttp_client(connections: int, timeout: httpx.Timeout, tls: ssl.SSLContext) -> httpx.AsyncClient:
@@ -235,8 +280,8 @@ class DirectClient:
         return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False, auto_decompress=False)
 
     async def request(self, method: str, url: str, *, content: bytes | None = None, json: Any = None,
-                      headers: dict[str, str] | None = None) -> RawResponse:
-        """Send and read the whole body."""
+                      headers: dict[str, str] | None = None, max_body: int = 1 << 30) -> RawResponse:
+        """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it)."""
         if self._session is None:  # made on first use, inside the event loop
             self._session = self._open()
         hooked = self.event_hooks["request"] or self.event_hooks["response"]
@@ -245,7 +290,13 @@ class DirectClient:
             await hook(request)
         async with self._session.request(method, url, data=content, json=json, headers=headers,
                                          allow_redirects=False) as response:
-            body = await response.read()
+            declared = response.content_length
+            if declared is not None and declared > max_body:
+                raise ReplyTooLarge(response.status, max_body, declared)
+            if declared is not None:  # the common case: read exactly what was declared, at once
+                body = await response.read()
+            else:  # chunked or until close: read in pieces, counting
+                body = await _read_capped(response.content.iter_any(), response.status, max_body)
             raw = RawResponse(response.status, response.headers, body)
         if self.event_hooks["response"]:
             as_httpx = httpx.Response(raw.status_code, headers=list(raw.headers.items()), content=body, request=request)
@@ -266,7 +317,7 @@ class DirectClient:
 def make_http_client(cfg: EngineConfig) -> HttpPool:
     """The connection pool of one event loop's samples, sized, timed and carried as the settings say."""
     timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
-    return HttpPool(cfg.max_connections, timeout, transport=cfg.http_transport)
+    return HttpPool(cfg.max_connections, timeout, transport=cfg.http_transport, max_body=cfg.max_reply_bytes)
 
 
 class TokenSource(Protocol):
@@ -389,6 +440,8 @@ class SGLangClient:
             response = await self.http.post(self.url, content=body, headers=headers, limit=budget)
         except self.http.transient_errors as exc:  # connect, read, write, pool, protocol, timeouts
             return _Transient(f"{type(exc).__name__}: {exc}")
+        except ReplyTooLarge as exc:  # the same request would get the same reply: not retried
+            return Failure("rejected", str(exc), exc.status)
         status = response.status_code
         if status in RETRY_STATUSES:
             wait = retry_after_seconds(response.headers.get("retry-after"), time.time())

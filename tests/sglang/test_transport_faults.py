@@ -19,7 +19,7 @@ import pytest
 from engine import slime
 from engine.config import EngineConfig
 from engine.local.sample import Sample
-from tests.sglang.loopback import LoopbackServer, drip, send
+from tests.sglang.loopback import Handler, LoopbackServer, drip, send
 from tests.support.helpers import IM_END, SAMPLING, encode, make_args, reply_body
 
 HAVE_HTTPX_AIOHTTP = importlib.util.find_spec("httpx_aiohttp") is not None
@@ -67,7 +67,7 @@ def test_dripping_headers_end_the_sample_within_the_request_timeouts(transport: 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_body_dripping_under_a_huge_content_length_is_cut_by_the_retry_deadline(transport: str) -> None:
-    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{"
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500000000\r\n\r\n{"  # under the size cap
     server = LoopbackServer([drip(head, b" ")], repeat_last=True)
     # The request timeout alone would allow 60 s; the retry deadline bounds the attempt in flight.
     s, took = roll(server, transport, engine_request_timeout=60.0, engine_retry_attempts=5, engine_retry_deadline=1.0)
@@ -76,6 +76,49 @@ def test_a_body_dripping_under_a_huge_content_length_is_cut_by_the_retry_deadlin
     assert len(server.generates) == 1
     assert 1.0 <= took < 1.0 + SLACK
     assert s.response_length == 0 and s.rollout_log_probs == []
+
+
+def chunked(body: bytes, piece: int = 65536) -> Handler:
+    """A handler that sends a 200 JSON-looking body in chunked encoding (no Content-Length)."""
+
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, len(body), piece):
+            part = body[i : i + piece]
+            writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    return handler
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_reply_declaring_more_than_the_size_cap_is_refused_before_it_is_read(transport: str) -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{"
+    server = LoopbackServer([drip(head, b" ")], repeat_last=True)
+    s, took = roll(server, transport, engine_request_timeout=60.0, engine_retry_deadline=30.0)
+    assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
+    assert "HTTP 200 reply declared 10000000000 bytes, over engine_max_reply_bytes=1073741824" in meta(s)["engine_error"]
+    assert len(server.generates) == 1 and took < SLACK  # not retried, not waited on
+    assert s.response_length == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_chunked_reply_running_past_the_size_cap_is_cut_there(transport: str) -> None:
+    big = json.dumps({"text": "x" * (3 << 20)}).encode()  # 3 MiB, cap 1 MiB
+    server = LoopbackServer([chunked(big)], repeat_last=True)
+    s, _ = roll(server, transport, engine_max_reply_bytes=1 << 20)
+    assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
+    assert "HTTP 200 reply ran past 1048576 bytes" in meta(s)["engine_error"]
+    assert len(server.generates) == 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_chunked_reply_under_the_size_cap_is_read_whole(transport: str) -> None:
+    server = LoopbackServer([chunked(json.dumps(ANSWER).encode(), piece=7)], repeat_last=True)
+    s, _ = roll(server, transport, engine_max_reply_bytes=1 << 16)
+    assert s.status == Sample.Status.COMPLETED and s.response.endswith("\\boxed{1}<|im_end|>")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
