@@ -122,7 +122,8 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     if name not in r.tool_sessions:
         r.tool_sessions[name] = await tool.create()
     calls = [asyncio.ensure_future(rt.tool_runner.call(tool, r.tool_sessions[name], c)) for c in mine]
-    running = calls[0] if len(calls) == 1 else asyncio.gather(*calls)
+    single = len(calls) == 1  # the common case: the call's own task, no gather around it
+    running = calls[0] if single else asyncio.gather(*calls)
     if not await finished_unless_aborted(rt, running):
         # The caller is ending the step: cut the calls (cancelling a sandboxed run kills its
         # process) and end resumable, so the caller's abort() does not wait on them.
@@ -131,7 +132,7 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
         r.stop_because("abort_requested")
         return Trigger.CANCELLED
     try:
-        results = [running.result()] if running is calls[0] else running.result()
+        results = [running.result()] if single else running.result()
     except tools.ToolUnavailable as exc:
         for call in calls:  # the turn's other calls: nothing started is left running
             call.cancel()

@@ -279,10 +279,6 @@ class RolloutMachine:
 
     def __init__(self, spec: MachineSpec) -> None:
         self.spec = spec
-        self._rows: dict[tuple[str, str], list[tuple[Guard | None, str]]] = {}
-        for e in spec.edges:
-            guard = None if e.guard is otherwise else e.guard  # `otherwise`: the rows above it were tried first
-            self._rows.setdefault((e.source, e.trigger), []).append((guard, edge_event(e)))
         # Actions and the after-edge bookkeeping are called with the rollout itself: no wrapper per call.
         transitions = [
             {"trigger": edge_event(e), "source": e.source, "dest": e.dest, "before": list(e.actions), "after": [_after_edge(e)]}
@@ -296,7 +292,10 @@ class RolloutMachine:
             auto_transitions=False,
             send_event=False,
         )
-        self._events = self._machine.events
+        self._rows: dict[tuple[str, str], list[tuple[Guard | None, Event]]] = {}
+        for e in spec.edges:
+            guard = None if e.guard is otherwise else e.guard  # `otherwise`: the rows above it were tried first
+            self._rows.setdefault((e.source, e.trigger), []).append((guard, self._machine.events[edge_event(e)]))
 
     def can(self, r: Rollout, trigger: str) -> bool:
         """Whether `trigger` has any edge from `r`'s state (guards aside)."""
@@ -306,7 +305,7 @@ class RolloutMachine:
         """Take the first edge of `trigger` from `r.state` whose guard holds; False if none."""
         for guard, event in self._rows.get((r.state, trigger), ()):
             if guard is None or guard(r):
-                return self._events[event].trigger(r)
+                return event.trigger(r)
         return False
 
 

@@ -48,12 +48,18 @@ def as_float64(logprobs: array) -> array:
     return logprobs if logprobs.typecode == "d" else array("d", logprobs)
 
 
+def _float32_exact(values: Sequence[float]) -> array | None:
+    """`values` as a float32 array if that changes none of them, else None."""
+    narrow = array("f", values)
+    return narrow if narrow.tolist() == (values if isinstance(values, list) else list(values)) else None
+
+
 def narrowed(logprobs: array) -> array:
     """`logprobs` as float32 if every value is exactly a float32 one, else unchanged."""
     if logprobs.typecode == "f":
         return logprobs
-    narrow = array("f", logprobs)
-    return narrow if narrow.tolist() == logprobs.tolist() else logprobs
+    narrow = _float32_exact(logprobs)
+    return logprobs if narrow is None else narrow
 
 
 def _digest(ids: array, logprobs: array) -> int:
@@ -266,8 +272,8 @@ class Trajectory:
     def _logprob_array(self, values: Sequence[float]) -> array:
         """`values` in the trajectory's storage, turning it to float64 if float32 would change one."""
         if self.logprobs.typecode == "f":
-            narrow = array("f", values)
-            if narrow.tolist() == (values if isinstance(values, list) else list(values)):
+            narrow = _float32_exact(values)
+            if narrow is not None:
                 return narrow
             self.logprobs = array("d", self.logprobs)  # exact as float64: they were float32 values
         return array("d", values)
