@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
 PROFILES = ("retool", "chat")
+HTTP_TRANSPORTS = ("auto", "asyncio", "httpx", "aiohttp", "aiohttp_direct")  # engine_http_transport; see engine.sglang.client
 _positive = v.gt(0)
 _non_negative = v.ge(0)
 
@@ -197,14 +198,14 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_retry_deadline", float, None, "seconds over all attempts of one request, the one in flight included (default: the request timeout)", low=0, high=7 * DAY, above_low=True),
     Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
     Setting("engine_retry_max_delay", float, 16.0, "longest backoff", low=0, high=3600),
-    Setting("engine_http_transport", str, "auto", "the HTTP client: auto (aiohttp's where installed, else httpx), httpx, aiohttp (httpx over httpx-aiohttp), aiohttp_direct", choices=("auto", "httpx", "aiohttp", "aiohttp_direct")),
+    Setting("engine_http_transport", str, "auto", "the HTTP client: auto (asyncio, or httpx while respx mocks it), asyncio (the engine's own HTTP/1.1 client), httpx, aiohttp (httpx over httpx-aiohttp), aiohttp_direct (aiohttp's client)", choices=HTTP_TRANSPORTS),
     Setting("engine_sandbox_backend", str, "local", "where sandboxed code runs: local (this machine) or ray (workers on the Ray cluster)", choices=("local", "ray")),
     Setting("engine_sandbox_workers", int, 4, "Ray sandbox workers", low=1, high=100_000),
     Setting("engine_sandbox_worker_cpus", float, 1.0, "CPUs each Ray sandbox worker reserves", low=0, high=1024, above_low=True),
     Setting("engine_sandbox_resource", str, None, "a custom Ray resource the sandbox workers need (to keep them on CPU nodes)"),
     Setting("engine_sandbox_queue", int, 256, "calls that may wait for a free Ray worker", low=0, high=10**7),
     Setting("engine_gc_freeze", bool, True, "gc.freeze() long-lived objects once at start-up"),
-    Setting("engine_gc_defer_full", bool, True, "defer automatic full GC collections while samples are in flight; one when they drain"),
+    Setting("engine_gc_defer_full", bool, True, "defer automatic full GC collections while samples are in flight; resumed when they drain"),
     Setting("engine_abort_status", str, "retry", "a sample whose attempt failed: re-run it (retry), or hand ABORTED back at once (aborted, for a caller that re-queues)", choices=("retry", "aborted")),
     Setting("engine_sample_attempts", int, 3, "attempts of one sample before it ends FAILED with remove_sample", low=1, high=1000),
     Setting("engine_sample_deadline", float, 1800.0, "seconds after which no new attempt of a sample starts", low=0, high=7 * DAY, above_low=True),
@@ -319,9 +320,9 @@ class EngineConfig:
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     max_reply_bytes: int = attrs.field(default=1 << 30, validator=_positive)  # routing replay replies run to 100s of MB
     max_connections: int = attrs.field(default=512, validator=_positive)
-    # httpx | aiohttp (httpx-aiohttp) | aiohttp_direct | auto: aiohttp_direct where aiohttp is
-    # installed and respx is not mocking httpx, else httpx. See engine.sglang.client.
-    http_transport: str = attrs.field(default="auto", validator=v.in_(("auto", "httpx", "aiohttp", "aiohttp_direct")))
+    # asyncio | httpx | aiohttp (httpx-aiohttp) | aiohttp_direct | auto: asyncio unless respx is
+    # mocking httpx, then httpx. See engine.sglang.client.
+    http_transport: str = attrs.field(default="auto", validator=v.in_(HTTP_TRANSPORTS))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     partial_rollout: bool = False
     mask_offpolicy: bool = False

@@ -11,6 +11,7 @@ broken invariant fires `invariant_violated`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -157,19 +158,30 @@ async def finished_unless_aborted(rt: Runtime, work: asyncio.Future[Any]) -> boo
     """
     if rt.abort_requested():
         work.cancel()
-    else:
+    elif not work.done():
+        # A future of our own to wait on (what `asyncio.wait` builds, without its set and
+        # bookkeeping): a cancellation of this task lands on it, not on `work`.
+        woken = asyncio.get_running_loop().create_future()
+        wake = functools.partial(_wake, woken)
+        work.add_done_callback(wake)
         rt.watch(work)
         try:
-            await asyncio.wait((work,))  # a cancellation of this task lands here, not in `work`
+            await woken
         except asyncio.CancelledError:
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             raise
         finally:
+            work.remove_done_callback(wake)
             rt.unwatch(work)
     if not work.done():  # cancelled just now: let it end
         await asyncio.gather(work, return_exceptions=True)
     return not work.cancelled()
+
+
+def _wake(woken: asyncio.Future[None], _: object) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 STEPS: dict[str, StateStep] = {

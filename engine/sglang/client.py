@@ -10,15 +10,18 @@ Other 4xx are final (a context-length 400 becomes `context_exceeded`); a 3xx is 
 as a redirect and not followed. Every failure after a response records its status.
 
 The transport is chosen by `engine_http_transport`:
+- `asyncio`: the engine's own HTTP/1.1 client on asyncio's transports (`engine.sglang.http1`);
 - `httpx`: httpx's own (httpcore), on many small clients (see `HttpPool`);
 - `aiohttp`: aiohttp's transport under httpx's client (PyPI `httpx-aiohttp`);
 - `aiohttp_direct`: aiohttp's client alone, behind the three calls the pool makes;
-- `auto` (the default): `aiohttp_direct` where aiohttp is installed, except while respx mocks
-  httpx (respx patches httpcore, which neither aiohttp path calls), else `httpx`.
-Why that default: per request on a loopback server, httpx's client machinery costs more CPU
-than aiohttp's whole client (bench, 64 x 4 turns: the engine 945 us/turn on httpx, 608 on
-httpx-aiohttp, 375 on aiohttp directly); the engine reads only status, headers and body, so
-nothing of httpx's API is lost to it, and respx-mocked tests keep httpx by themselves.
+- `auto` (the default): `asyncio`, except while respx mocks httpx (respx patches httpcore,
+  which only the `httpx` transport calls), then `httpx`.
+Why that default: a turn needs one POST of bytes already encoded and one body read whole;
+every general client spends more CPU on that than the rest of the engine's turn (bench,
+512 x 8 turns: the bare loop on the pool costs ~36 us/turn on `asyncio`, ~117 on
+`aiohttp_direct`, over 1 ms on `httpx`), and it needs no package. The engine reads only
+status, headers and body, so nothing of httpx's API is lost to it; httpx event hooks still
+see every request and reply, and respx-mocked tests keep httpx by themselves.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ from typing import Any, Protocol, TypeVar
 import attrs
 import httpx
 
+from engine.config import HTTP_TRANSPORTS as TRANSPORTS
 from engine.config import EngineConfig, RetryPolicy
+from engine.sglang.http1 import AsyncioClient, Hooks, RawResponse, ReplyTooLarge, request_hooks, response_hooks
 from engine.sglang.wire import (
     Failure,
     Reply,
     RequestBody,
+    dumps,
     error_message,
     is_context_error,
     loads,
@@ -55,7 +61,6 @@ log = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 ROUTING_HEADER = "X-SMG-Routing-Key"
 SHARD_CONNECTIONS = 4
-TRANSPORTS = ("auto", "httpx", "aiohttp", "aiohttp_direct")
 RETRY_AFTER_SPREAD = 0.1  # up to +10 %: samples told the same Retry-After do not all return at once
 PROBE_TIMEOUT = 5.0  # seconds for all model-info requests at start-up
 INFO_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
@@ -66,15 +71,6 @@ T = TypeVar("T")
 
 class RequestTimeout(httpx.TimeoutException):
     """The whole request (connect to last byte) took longer than its budget."""
-
-
-class ReplyTooLarge(Exception):
-    """A reply declared or sent more bytes than `engine_max_reply_bytes`; it was not read further."""
-
-    def __init__(self, status: int, limit: int, declared: int | None = None) -> None:
-        size = f"declared {declared} bytes" if declared is not None else f"ran past {limit} bytes"
-        super().__init__(f"HTTP {status} reply {size}, over engine_max_reply_bytes={limit}")
-        self.status = status
 
 
 def _declared_length(headers: Any) -> int | None:
@@ -123,7 +119,7 @@ def resolve_transport(name: str) -> str:
     if name == "aiohttp_direct" and importlib.util.find_spec("aiohttp") is None:
         raise ValueError("engine_http_transport=aiohttp_direct needs the package aiohttp (pip install aiohttp)")
     if name == "auto":
-        return "aiohttp_direct" if importlib.util.find_spec("aiohttp") is not None and not respx_active() else "httpx"
+        return "httpx" if respx_active() else "asyncio"
     return name
 
 
@@ -156,7 +152,10 @@ class HttpPool:
         # One TLS context for all clients: httpx builds one per client otherwise, loading the CA
         # bundle each time (~15 ms and ~0.7 MiB per shard: 2 s and 90 MiB at 512 connections).
         tls = ssl.create_default_context()
-        if self.transport == "aiohttp_direct":
+        if self.transport == "asyncio":
+            per_shard = max(1, max_connections)
+            self.shards = [AsyncioClient(per_shard, timeout, tls)]  # type: ignore[list-item]
+        elif self.transport == "aiohttp_direct":
             per_shard = max(1, max_connections)
             self.shards = [DirectClient(per_shard, timeout, tls)]  # type: ignore[list-item]
         elif self.transport == "aiohttp":
@@ -170,7 +169,8 @@ class HttpPool:
                            for _ in range(count)]
         self._free = [i for i in range(len(self.shards)) for _ in range(per_shard)]  # one entry per connection
         self._gate = asyncio.Semaphore(len(self._free))
-        if self.transport != "httpx":
+        self._direct = self.transport in ("aiohttp_direct", "asyncio")  # no httpx client in the way
+        if self.transport in ("aiohttp", "aiohttp_direct"):
             import aiohttp  # noqa: F401  # loaded now, so its errors are among the transient ones
         self._errors = _transient_errors()
 
@@ -186,7 +186,7 @@ class HttpPool:
             shard = self._free.pop()  # the gate guarantees one; LIFO reuses warm connections
             try:
                 client = self.shards[shard]
-                if isinstance(client, DirectClient):
+                if self._direct:
                     send = client.request(method, url, max_body=self.max_body, **kwargs)
                 else:
                     send = _httpx_request(client, method, url, self.max_body, **kwargs)
@@ -245,15 +245,6 @@ def _aiohttp_client(connections: int, timeout: httpx.Timeout, tls: ssl.SSLContex
     return httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
 
 
-@attrs.frozen
-class RawResponse:
-    """The part of `httpx.Response` the engine reads: status, headers (case-insensitive), body."""
-
-    status_code: int
-    headers: Any
-    content: bytes
-
-
 class DirectClient:
     """aiohttp's client behind the few calls `HttpPool` makes of an `httpx.AsyncClient`.
 
@@ -268,7 +259,7 @@ class DirectClient:
         self.connections = connections
         self.tls = tls
         self.timeout = timeout
-        self.event_hooks: dict[str, list[Callable[..., Any]]] = {"request": [], "response": []}
+        self.event_hooks: Hooks = {"request": [], "response": []}
         self._session: Any = None
 
     def _open(self) -> Any:
@@ -284,10 +275,10 @@ class DirectClient:
         """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it)."""
         if self._session is None:  # made on first use, inside the event loop
             self._session = self._open()
-        hooked = self.event_hooks["request"] or self.event_hooks["response"]
-        request = httpx.Request(method, url, content=content, json=json, headers=headers) if hooked else None
-        for hook in self.event_hooks["request"]:
-            await hook(request)
+        if json is not None:  # encoded here, so hooks and the wire see the same bytes
+            content, json = dumps(json), None
+            headers = {"Content-Type": "application/json", **(headers or {})}
+        request = await request_hooks(self.event_hooks, method, url, content, headers)
         async with self._session.request(method, url, data=content, json=json, headers=headers,
                                          allow_redirects=False) as response:
             declared = response.content_length
@@ -298,10 +289,7 @@ class DirectClient:
             else:  # chunked or until close: read in pieces, counting
                 body = await _read_capped(response.content.iter_any(), response.status, max_body)
             raw = RawResponse(response.status, response.headers, body)
-        if self.event_hooks["response"]:
-            as_httpx = httpx.Response(raw.status_code, headers=list(raw.headers.items()), content=body, request=request)
-            for hook in self.event_hooks["response"]:
-                await hook(as_httpx)
+        await response_hooks(self.event_hooks, raw, request)
         return raw
 
     async def post(self, url: str, **kwargs: Any) -> RawResponse:

@@ -28,6 +28,7 @@ TRANSPORTS = [
     "httpx",
     pytest.param("aiohttp", marks=pytest.mark.skipif(not HAVE_HTTPX_AIOHTTP, reason="httpx-aiohttp is not installed")),
     pytest.param("aiohttp_direct", marks=pytest.mark.skipif(not HAVE_AIOHTTP, reason="aiohttp is not installed")),
+    "asyncio",
 ]
 ANSWER = reply_body(encode("Answer: \\boxed{1}") + [IM_END])
 SLACK = 1.5  # seconds on top of a bound: scheduling on a loaded 2-core machine, the vocabulary probe

@@ -30,22 +30,22 @@ def pool_transport(cfg: EngineConfig) -> str:
     return asyncio.run(build())
 
 
-@pytest.mark.skipif(not (HAVE_AIOHTTP and HAVE_HTTPX_AIOHTTP), reason="aiohttp and httpx-aiohttp are not installed")
-def test_auto_takes_aiohttp_directly_where_installed_and_httpx_while_respx_mocks() -> None:
+def test_auto_takes_the_engines_own_client_and_httpx_while_respx_mocks() -> None:
     assert not respx_active()
-    assert pool_transport(EngineConfig()) == "aiohttp_direct"
+    assert pool_transport(EngineConfig()) == "asyncio"
     with respx.mock():
         assert respx_active()
         assert pool_transport(EngineConfig()) == "httpx"
-    for name in ("httpx", "aiohttp", "aiohttp_direct"):
+    names = ["httpx", "asyncio"] + (["aiohttp", "aiohttp_direct"] if HAVE_AIOHTTP and HAVE_HTTPX_AIOHTTP else [])
+    for name in names:
         assert pool_transport(EngineConfig(http_transport=name)) == name
 
 
-def test_without_the_packages_auto_falls_back_and_the_others_say_what_to_install(monkeypatch) -> None:
+def test_without_the_packages_auto_needs_none_and_the_others_say_what_to_install(monkeypatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(client_module.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("httpx_aiohttp", "aiohttp") else real(name, *a))
-    assert resolve_transport("auto") == "httpx"
+    assert resolve_transport("auto") == "asyncio"
     with pytest.raises(ValueError, match="pip install httpx-aiohttp"):
         resolve_transport("aiohttp")
     with pytest.raises(ValueError, match="pip install aiohttp"):
@@ -78,21 +78,24 @@ def test_respx_mocked_samples_work_with_httpx_and_with_auto(fake_interpreter, tr
     assert second["input_ids"][: len(first["input_ids"])] == first["input_ids"]  # the body was extended
 
 
-def test_one_aiohttp_client_but_many_small_httpx_ones() -> None:
+def test_one_client_for_the_direct_transports_but_many_small_httpx_ones() -> None:
     async def shards(transport: str) -> int:
         pool = HttpPool(64, httpx.Timeout(5.0), transport=transport)
         await pool.aclose()
         return len(pool.shards)
 
     assert asyncio.run(shards("httpx")) == 16
+    assert asyncio.run(shards("asyncio")) == 1
     if HAVE_HTTPX_AIOHTTP:
         assert asyncio.run(shards("aiohttp")) == 1
     if HAVE_AIOHTTP:
         assert asyncio.run(shards("aiohttp_direct")) == 1
 
 
-@pytest.mark.skipif(not HAVE_AIOHTTP, reason="aiohttp is not installed")
-def test_httpx_event_hooks_see_every_request_and_reply_on_aiohttp_direct() -> None:
+@pytest.mark.parametrize("transport", [
+    "asyncio", pytest.param("aiohttp_direct", marks=pytest.mark.skipif(not HAVE_AIOHTTP, reason="aiohttp is not installed")),
+])
+def test_httpx_event_hooks_see_every_request_and_reply_on_the_direct_transports(transport: str) -> None:
     """The soak's wire recorder and the bench's request capture are httpx hooks."""
     from tests.sglang.loopback import LoopbackServer, send
 
@@ -106,7 +109,7 @@ def test_httpx_event_hooks_see_every_request_and_reply_on_aiohttp_direct() -> No
 
     async def go() -> None:
         async with LoopbackServer([send(200, b'{"a": 1}', {"X-Y": "z"})]) as server:
-            pool = HttpPool(4, httpx.Timeout(5.0), transport="aiohttp_direct")
+            pool = HttpPool(4, httpx.Timeout(5.0), transport=transport)
             pool.add_event_hook("request", on_request)
             pool.add_event_hook("response", on_response)
             response = await pool.post(server.url + "/generate", content=b"{}", headers={"X-K": "v"}, limit=5.0)

@@ -1,0 +1,280 @@
+"""The engine's own HTTP/1.1 client (`engine_http_transport=asyncio`) on a real loopback socket.
+
+Each test plays a server that writes raw bytes, so framing, keep-alive and malformed replies
+are what a real peer would send. The fault tests of every transport (`test_transport_faults`)
+run this client too; here are the cases only a hand-written client can get wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from engine.sglang.client import HttpPool, ReplyTooLarge
+from engine.sglang.http1 import MAX_HEAD, AsyncioClient
+
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]  # False: close after
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await reader.readexactly(length)
+
+
+class RawServer:
+    """Answers each request with `answer(reader, writer, n)`; counts connections and requests."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.requests: list[tuple[bytes, bytes]] = []
+
+    async def __aenter__(self) -> RawServer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/generate"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    self.requests.append(await read_request(reader))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                if not await self.answer(reader, writer, len(self.requests)):
+                    return
+        finally:
+            writer.close()
+
+
+def reply(raw: bytes, keep: bool = True) -> Answer:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(raw)
+        await writer.drain()
+        return keep
+
+    return answer
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+def client(**kw: object) -> AsyncioClient:
+    import ssl
+
+    return AsyncioClient(8, httpx.Timeout(5.0, connect=2.0), ssl.create_default_context(), **kw)  # type: ignore[arg-type]
+
+
+def run(coro: Awaitable[object]) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_requests_reuse_one_keep_alive_connection_and_send_what_was_given() -> None:
+    async def go() -> None:
+        async with RawServer(reply(OK)) as server:
+            c = client()
+            for i in range(3):
+                r = await c.request("POST", server.url, content=b'{"i": %d}' % i, headers={"X-Key": "s-1"})
+                assert (r.status_code, r.content, r.headers.get("Content-Type")) == (200, b"{}", "application/json")
+            await c.aclose()
+        assert server.connections == 1
+        head, body = server.requests[2]
+        assert head.startswith(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:") and b"\r\nX-Key: s-1\r\n" in head
+        assert b"\r\nContent-Length: 8\r\n" in head and body == b'{"i": 2}'
+
+    run(go())
+
+
+def test_a_keep_alive_connection_the_server_dropped_is_replaced_without_an_error() -> None:
+    async def go() -> None:
+        async with RawServer(reply(OK, keep=False)) as server:  # closes after every reply, announcing nothing
+            c = client()
+            for _ in range(3):
+                await asyncio.sleep(0.05)  # the close reaches us first: the idle connection is seen dead
+                assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
+            await c.aclose()
+        assert server.connections == 3 and len(server.requests) == 3
+
+    run(go())
+
+
+def test_the_race_where_the_server_closes_as_the_request_goes_out_is_retried_once_on_a_new_connection() -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        if n == 2:  # read the second request, then drop the connection without a byte
+            return False
+        writer.write(OK)
+        await writer.drain()
+        return True
+
+    async def go() -> None:
+        async with RawServer(answer) as server:
+            c = client()
+            assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
+            assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
+            await c.aclose()
+        assert server.connections == 2 and len(server.requests) == 3
+
+    run(go())
+
+
+def test_a_fresh_connection_closed_before_a_reply_is_a_read_error_not_retried_here() -> None:
+    async def go() -> None:
+        async with RawServer(reply(b"", keep=False)) as server:
+            c = client()
+            with pytest.raises(httpx.ReadError):
+                await c.request("POST", server.url, content=b"{}")
+            await c.aclose()
+        assert len(server.requests) == 1
+
+    run(go())
+
+
+@pytest.mark.parametrize("raw, reused", [
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}", False),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}junk", False),  # bytes past the reply
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", True),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;ext=1\r\n{\r\n1\r\n}\r\n0\r\nX-Trailer: 1\r\n\r\n", True),
+])
+def test_framing_and_whether_the_connection_is_kept(raw: bytes, reused: bool) -> None:
+    async def go() -> None:
+        async with RawServer(reply(raw)) as server:
+            c = client()
+            assert (await c.request("POST", server.url, content=b"{}")).content == b"{}"
+            assert bool(c._idle.get(("http", "127.0.0.1", server.server.sockets[0].getsockname()[1]))) == reused
+            await c.aclose()
+
+    run(go())
+
+
+def test_a_body_delimited_by_the_close_is_read_to_the_end() -> None:
+    async def go() -> None:
+        async with RawServer(reply(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 100_000, keep=False)) as server:
+            c = client()
+            r = await c.request("POST", server.url, content=b"{}")
+            assert r.content == b"x" * 100_000
+            await c.aclose()
+
+    run(go())
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"HTTP/2 200 OK\r\n\r\n", "status line"),
+    (b"SSH-2.0-OpenSSH\r\n\r\n", "status line"),
+    (b"HTTP/1.1 200 OK\r\nNo colon here\r\n\r\n", "malformed header"),
+    (b"HTTP/1.1 200 OK\r\n folded: x\r\n\r\n", "malformed header"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "conflicting Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "bad Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1e3\r\n\r\n", "bad Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}XX0\r\n\r\n", "CRLF"),
+    (b"HTTP/1.1 200 OK\r\nX: " + b"a" * (MAX_HEAD + 10), "head longer"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 2000, "chunk-size line too long"),
+])
+def test_malformed_replies_are_protocol_errors_and_the_connection_is_dropped(raw: bytes, words: str) -> None:
+    async def go() -> None:
+        async with RawServer(reply(raw)) as server:
+            c = client()
+            with pytest.raises(httpx.RemoteProtocolError, match=words):
+                await c.request("POST", server.url, content=b"{}")
+            assert not any(c._idle.values())
+            await c.aclose()
+
+    run(go())
+
+
+@pytest.mark.parametrize("raw", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 100001\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n186a1\r\n",  # one chunk of 100001
+    b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 100_001,  # until close
+])
+def test_a_reply_past_the_cap_raises_reply_too_large_without_reading_on(raw: bytes) -> None:
+    async def go() -> None:
+        async with RawServer(reply(raw)) as server:
+            c = client()
+            with pytest.raises(ReplyTooLarge):
+                await c.request("POST", server.url, content=b"{}", max_body=100_000)
+            await c.aclose()
+
+    run(go())
+
+
+def test_a_cancelled_request_closes_its_connection() -> None:
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{")  # and never the rest
+        await writer.drain()
+        await reader.read()  # until the client goes away
+        return False
+
+    async def go() -> None:
+        async with RawServer(slow) as server:
+            c = client()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.request("POST", server.url, content=b"{}"), 0.3)
+            await asyncio.sleep(0.05)
+            assert not any(c._idle.values())
+            assert server.connections == 1
+            await c.aclose()
+
+    run(go())
+
+
+def test_a_header_with_a_line_break_is_refused_before_anything_is_sent() -> None:
+    async def go() -> None:
+        async with RawServer(reply(OK)) as server:
+            c = client()
+            with pytest.raises(httpx.LocalProtocolError):
+                await c.request("POST", server.url, content=b"{}", headers={"X-Key": "a\r\nX-Evil: 1"})
+            await c.aclose()
+        assert server.requests == []
+
+    run(go())
+
+
+def test_refused_connections_and_unsupported_urls_are_clear_errors() -> None:
+    async def go() -> None:
+        c = client()
+        async with RawServer(reply(OK)) as server:
+            url = server.url
+        with pytest.raises(httpx.ConnectError, match="cannot connect"):
+            await c.request("POST", url, content=b"{}")
+        with pytest.raises(httpx.UnsupportedProtocol):
+            await c.request("POST", "ftp://127.0.0.1/generate", content=b"{}")
+        await c.aclose()
+
+    run(go())
+
+
+def test_json_bodies_event_hooks_and_the_pool_on_this_transport() -> None:
+    seen: list[str] = []
+
+    async def on_request(request: httpx.Request) -> None:
+        seen.append(f"{request.method} {request.url.path} {request.content.decode()}")
+
+    async def on_response(response: httpx.Response) -> None:
+        seen.append(f"{response.status_code} {response.content.decode()}")
+
+    async def go() -> None:
+        async with RawServer(reply(OK)) as server:
+            pool = HttpPool(4, httpx.Timeout(5.0), transport="asyncio")
+            pool.add_event_hook("request", on_request)
+            pool.add_event_hook("response", on_response)
+            r = await pool.post(server.url, json={"a": 1}, limit=5.0)
+            assert r.status_code == 200
+            await pool.aclose()
+        head, body = server.requests[0]
+        assert b"Content-Type: application/json" in head and body.replace(b" ", b"") == b'{"a":1}'
+
+    run(go())
+    assert seen[0].startswith("POST /generate {") and seen[1] == "200 {}"
