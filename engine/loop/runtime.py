@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import gc
 import importlib
 import json
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
@@ -44,6 +47,28 @@ class Runtime:
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
+    @contextlib.asynccontextmanager
+    async def in_flight(self) -> AsyncIterator[None]:
+        """A sample's whole life in this runtime, entered first thing by the adapter.
+
+        Full collections are deferred from before the sample does anything
+        (`engine_gc_defer_full`), and it waits for a start slot: at most `START_GATE` samples
+        begin their set-up per event-loop turn. Thousands of samples handed over at once
+        (slime's `gather`) would otherwise each read their input and build their rollout in one
+        event-loop turn (4,096 x ~20 us of stall), and the tasks waiting to start would be
+        walked by a full collection (~140 ms at 4,096).
+        """
+        deferred = self.cfg.gc_defer_full
+        if deferred:
+            full_collections.enter()
+        try:
+            async with self.start_gate:
+                await asyncio.sleep(0)
+            yield
+        finally:
+            if deferred:
+                full_collections.exit()
+
     async def prompt_ids(
         self, prompt: Any, allowed: frozenset[str], own_schemas: dict[str, dict[str, Any]] | None = None
     ) -> list[int]:
@@ -60,7 +85,7 @@ class Runtime:
         own = json.dumps(own_schemas, sort_keys=True, default=str) if own_schemas else ""
         key = (text, allowed, own, tools.registry.version())  # a re-registered tool may change its schema
         async with self.start_gate:
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # the renders of a burst spread over event-loop turns
             ids = self._prompts.get(key)
             if ids is None:
                 schemas = self.tool_schemas(allowed, own_schemas)
@@ -169,14 +194,18 @@ class FullCollections:
     stalls the event loop for hundreds of ms, more than anything else the engine does
     (measured: 419 ms at 4,096 in flight, 70 ms with automatic collection off). Young
     generations still run, so short-lived cycles are still freed; what survives them waits
-    for the drain, where the collector's own rule decides when the full collection runs (a
-    forced `gc.collect()` there cost every drain ~25-60 ms with torch loaded, even after one
-    sample). The collector is the process's, so this is one counter per process.
+    for the drain. There one full collection runs if the collector's own count says one is due
+    (then, while nothing is in flight, rather than in the next burst of starts), and none
+    otherwise: a forced one cost every drain ~25-60 ms with torch loaded, even after a single
+    short sample. The collector is the process's, so this is one counter per process.
+    `drains` keeps when the last drains began and what their collection took (the bench tells
+    a stall while samples are in flight from the drain's collection with it).
     """
 
     def __init__(self) -> None:
         self._in_flight = 0
         self._saved: tuple[int, int, int] | None = None
+        self.drains: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)  # (perf_counter, seconds)
 
     def enter(self) -> None:
         """A sample starts."""
@@ -187,11 +216,16 @@ class FullCollections:
         self._in_flight += 1
 
     def exit(self) -> None:
-        """A sample ended; the last one out restores the thresholds."""
+        """A sample ended; the last one out restores the thresholds, and collects if one is due."""
         self._in_flight -= 1
         if self._in_flight == 0 and self._saved is not None:
             gc.set_threshold(*self._saved)
+            due = gc.get_count()[2] >= self._saved[2]  # young collections since the last full one
             self._saved = None
+            started = time.perf_counter()
+            if due:  # now, while nothing is in flight, not in the next burst of starts
+                gc.collect()
+            self.drains.append((started, time.perf_counter() - started))
 
 
 full_collections = FullCollections()

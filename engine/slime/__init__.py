@@ -24,9 +24,9 @@ from engine.config import EngineConfig
 from engine.loop.attempts import run_attempts
 from engine.loop.driver import new_rollout
 from engine.loop.preflight import log_tool_problems
-from engine.profiles.reward import retool_score
-from engine.machine.rollout import Rollout
 from engine.loop.runtime import Runtime
+from engine.machine.rollout import Rollout
+from engine.profiles.reward import retool_score
 from engine.slime.sample_io import (
     ADAPTER_CRASHED,
     BAD_INPUT,
@@ -61,6 +61,11 @@ def runtime_for(cfg: EngineConfig) -> Runtime:
 async def run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
     """Roll one sample out through the machine and write the result into it. Never raises but
     CancelledError: bad input and adapter bugs end the sample FAILED with the reason recorded."""
+    async with rt.in_flight():
+        return await _run_sample(rt, sample, sampling_params)
+
+
+async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
     try:
         inp = read_input(sample, sampling_params)
     except BadInput as exc:

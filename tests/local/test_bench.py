@@ -52,3 +52,13 @@ def test_bench_smoke() -> None:
         else:
             assert run.errors == 0 and run.statuses == {"OK": TINY.samples}, name
     assert tools.get("code_interpreter") is original  # the instant tool was put back
+
+
+def test_the_stall_in_flight_leaves_out_the_gap_of_the_drain_and_only_it() -> None:
+    from engine.local.bench.rollout import in_flight_stall
+
+    gaps = [(0.0, 0.001), (0.001, 0.030), (0.030, 0.031), (0.031, 0.200)]
+    assert in_flight_stall(gaps, []) == 0.200 - 0.031
+    assert in_flight_stall(gaps, [0.100]) == 0.030 - 0.001  # the drain fell in the last gap
+    assert in_flight_stall(gaps, [5.0]) == 0.200 - 0.031  # a drain outside the run leaves all in
+    assert in_flight_stall([], []) == 0.0

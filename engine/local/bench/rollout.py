@@ -32,7 +32,7 @@ from engine.config import EngineConfig
 from engine.local.bench.common import Figure, Sizes, instant_interpreter, median
 from engine.local.bench.server import ROUTING_HEADER, CannedServer
 from engine.local.sample import Sample
-from engine.loop.runtime import Runtime
+from engine.loop.runtime import Runtime, full_collections
 from engine.sglang.client import make_http_client, resolve_transport
 from engine.slime import run_sample
 from engine.slime.sample_io import engine_metadata
@@ -70,23 +70,33 @@ class Run:
     turns: dict[int, int] = attrs.field(factory=dict)  # turns taken -> samples (engine only)
     errors: int = 0  # floors only: non-200 replies
     tool_errors: int = 0  # engine only: tool calls that came back with an error kind
-    max_stall: float = 0.0  # seconds, when a ticker ran
+    max_stall: float = 0.0  # seconds, when a ticker ran, while samples were in flight
+    drain_collect: float = 0.0  # seconds of the engine's full collection once the last sample left
 
 
-async def _ticker(stop: asyncio.Event, period: float = 0.001) -> float:
-    """Sleep `period` over and over; return the longest interval between two wake-ups."""
-    worst = 0.0
+async def _ticker(stop: asyncio.Event, period: float = 0.001) -> list[tuple[float, float]]:
+    """Sleep `period` over and over; return every interval between two wake-ups."""
+    gaps = []
     last = time.perf_counter()
     while not stop.is_set():
         await asyncio.sleep(period)
         now = time.perf_counter()
-        worst = max(worst, now - last)
+        gaps.append((last, now))
         last = now
-    return worst
+    return gaps
 
 
-async def _timed(server: CannedServer, work: Callable[[], Awaitable[None]], *, tick: bool) -> tuple[float, float, float, float]:
-    """(wall, cpu, server cpu, max stall) of `work()`, optionally with a stall ticker beside it."""
+def in_flight_stall(gaps: list[tuple[float, float]], drains: list[float]) -> float:
+    """The longest gap but those during which the last sample left (its drain's collection)."""
+    return max((end - start for start, end in gaps if not any(start <= t <= end for t in drains)), default=0.0)
+
+
+async def _timed(server: CannedServer, work: Callable[[], Awaitable[None]], *, tick: bool) -> tuple[float, float, float, float, float]:
+    """(wall, cpu, server cpu, max stall while samples were in flight, drain collection) of `work()`.
+
+    With `tick`, a ticker runs beside the work. The engine defers full collections until its
+    last sample leaves, then runs one if due: that gap is reported apart, as the drain's.
+    """
     stop = asyncio.Event()
     ticker = asyncio.create_task(_ticker(stop)) if tick else None
     await asyncio.sleep(0)  # let the ticker take its first timestamp before the burst starts
@@ -94,8 +104,9 @@ async def _timed(server: CannedServer, work: Callable[[], Awaitable[None]], *, t
     await work()
     wall, cpu, server_cpu = time.perf_counter() - wall0, time.process_time() - cpu0, server.cpu_seconds() - server0
     stop.set()
-    stall = await ticker if ticker is not None else 0.0
-    return wall, cpu, server_cpu, stall
+    gaps = await ticker if ticker is not None else []
+    drains = [(at, took) for at, took in full_collections.drains if at >= wall0]
+    return wall, cpu, server_cpu, in_flight_stall(gaps, [at for at, _ in drains]), max((t for _, t in drains), default=0.0)
 
 
 async def run_engine(rt: Runtime, server: CannedServer, n: int, concurrency: int, tag: str, *, tick: bool = False) -> Run:
@@ -110,11 +121,12 @@ async def run_engine(rt: Runtime, server: CannedServer, n: int, concurrency: int
     async def work() -> None:
         await asyncio.gather(*(one(s) for s in samples))
 
-    wall, cpu, server_cpu, stall = await _timed(server, work, tick=tick)
+    wall, cpu, server_cpu, stall, drain = await _timed(server, work, tick=tick)
     statuses = collections.Counter(s.status.name for s in samples)
     turns = collections.Counter(len(engine_metadata(s).get("turns", [])) for s in samples)
     tool_errors = sum(sum((engine_metadata(s).get("tool_stats") or {}).get("errors", {}).values()) for s in samples)
-    return Run(wall, cpu, server_cpu, n, dict(statuses), dict(turns), tool_errors=tool_errors, max_stall=stall)
+    return Run(wall, cpu, server_cpu, n, dict(statuses), dict(turns), tool_errors=tool_errors, max_stall=stall,
+               drain_collect=drain)
 
 
 async def run_floor(http: Any, url: str, payloads: list[dict[str, Any]], server: CannedServer,
@@ -139,7 +151,7 @@ async def run_floor(http: Any, url: str, payloads: list[dict[str, Any]], server:
     async def work() -> None:
         await asyncio.gather(*(one(i) for i in range(n)))
 
-    wall, cpu, server_cpu, stall = await _timed(server, work, tick=tick)
+    wall, cpu, server_cpu, stall, _ = await _timed(server, work, tick=tick)
     return Run(wall, cpu, server_cpu, n, {"OK": n} if not errors else {"HTTP_ERRORS": errors}, errors=errors, max_stall=stall)
 
 
@@ -173,7 +185,7 @@ class AiohttpFloor:
         async def work() -> None:
             await asyncio.gather(*(one(i) for i in range(n)))
 
-        wall, cpu, server_cpu, stall = await _timed(server, work, tick=tick)
+        wall, cpu, server_cpu, stall, _ = await _timed(server, work, tick=tick)
         return Run(wall, cpu, server_cpu, n, {"OK": n} if not errors else {"HTTP_ERRORS": errors}, errors=errors,
                    max_stall=stall)
 
@@ -279,6 +291,7 @@ def _summary(runs: list[Run], turns: int) -> dict[str, Any]:
         "cpu_us_per_turn": median([r.cpu / (r.samples * turns) * 1e6 for r in runs]),
         "server_cpu_share": median([r.server_cpu / r.wall for r in runs]),  # ~1.0: the server was saturated
         "max_stall_ms": median([r.max_stall * 1e3 for r in runs]),
+        "drain_collect_ms": median([r.drain_collect * 1e3 for r in runs]),
         "statuses": runs[-1].statuses if runs else {},
         "turns_taken": runs[-1].turns if runs else {},
         "samples": n,
@@ -325,7 +338,9 @@ async def scale_figure(server: CannedServer, tokenizer: Any, sizes: Sizes, repea
 
     All samples start together and share figure 1's pool (256 connections; 32 with --small),
     so most of them wait for a connection in the pool. The engine's stall is judged against
-    the bare loop on the same transport; the bare httpx loop's is shown beside it.
+    the bare loop on the same transport; the bare httpx loop's is shown beside it. The
+    engine's full collection, deferred until its last sample has left, is a row of its own:
+    nothing is in flight while it runs.
     """
     figures = []
     turns = sizes.scale_turns
@@ -344,5 +359,9 @@ async def scale_figure(server: CannedServer, tokenizer: Any, sizes: Sizes, repea
             s[ENGINE]["max_stall_ms"], "ms", same["max_stall_ms"], f"bare loop on {chosen}", "ratio", "<=", 1.0,
             repeats, {"bare_httpx_stall_ms": s[BARE_HTTPX]["max_stall_ms"],
                       **{name: {k: v for k, v in summary.items() if k != "samples"} for name, summary in s.items()}},
+        ))
+        figures.append(Figure(
+            f"scale_drain_{n}", f"the engine's deferred full collection, once the last of {n} samples left",
+            s[ENGINE]["drain_collect_ms"], "ms", None, "", None, None, None, repeats,
         ))
     return figures
