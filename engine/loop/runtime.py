@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import gc
 import importlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -47,9 +46,8 @@ class Runtime:
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
-    @contextlib.asynccontextmanager
-    async def in_flight(self) -> AsyncIterator[None]:
-        """A sample's whole life in this runtime, entered first thing by the adapter.
+    def in_flight(self) -> InFlight:
+        """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.
 
         Full collections are deferred from before the sample does anything
         (`engine_gc_defer_full`), and it waits for a start slot: at most `START_GATE` samples
@@ -58,16 +56,7 @@ class Runtime:
         event-loop turn (4,096 x ~20 us of stall), and the tasks waiting to start would be
         walked by a full collection (~140 ms at 4,096).
         """
-        deferred = self.cfg.gc_defer_full
-        if deferred:
-            full_collections.enter()
-        try:
-            async with self.start_gate:
-                await asyncio.sleep(0)
-            yield
-        finally:
-            if deferred:
-                full_collections.exit()
+        return InFlight(self.start_gate, self.cfg.gc_defer_full)
 
     async def prompt_ids(
         self, prompt: Any, allowed: frozenset[str], own_schemas: dict[str, dict[str, Any]] | None = None
@@ -185,6 +174,30 @@ def freeze_long_lived_objects() -> None:
         gc.collect()
         gc.freeze()
         _frozen = True
+
+
+class InFlight:
+    """`Runtime.in_flight()`: a class, not a generator-based context manager, as thousands are entered at once."""
+
+    __slots__ = ("gate", "deferred")
+
+    def __init__(self, gate: asyncio.Semaphore, deferred: bool) -> None:
+        self.gate, self.deferred = gate, deferred
+
+    async def __aenter__(self) -> None:
+        if self.deferred:
+            full_collections.enter()
+        try:
+            async with self.gate:
+                await asyncio.sleep(0)
+        except BaseException:  # cancelled while waiting to start
+            if self.deferred:
+                full_collections.exit()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.deferred:
+            full_collections.exit()
 
 
 class FullCollections:
