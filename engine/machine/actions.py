@@ -129,8 +129,9 @@ def append_observation(r: Rollout) -> None:
     r.traj.append_observation(r.turn.observation_ids)
     if r.record.turn_log:
         r.record.turn_log[-1]["observation_tokens"] = len(r.turn.observation_ids)
-        r.record.turn_log[-1]["tools"] = [res.call.name for res in r.turn.results]
-        r.record.turn_log[-1]["errors"] = [res.error for res in r.turn.results]
+        # Tuples: a turn's dict then holds no container the collector must keep walking.
+        r.record.turn_log[-1]["tools"] = tuple(res.call.name for res in r.turn.results)
+        r.record.turn_log[-1]["errors"] = tuple(res.error for res in r.turn.results)
 
 
 def trim_to_budget(r: Rollout) -> None:

@@ -43,7 +43,15 @@ import httpx
 
 from engine.config import HTTP_TRANSPORTS as TRANSPORTS
 from engine.config import EngineConfig, RetryPolicy
-from engine.sglang.http1 import AsyncioClient, Hooks, RawResponse, ReplyTooLarge, request_hooks, response_hooks
+from engine.sglang.http1 import (
+    AsyncioClient,
+    Hooks,
+    RawResponse,
+    ReplyTooLarge,
+    RequestTimeout,
+    request_hooks,
+    response_hooks,
+)
 from engine.sglang.wire import (
     Failure,
     Reply,
@@ -67,10 +75,6 @@ INFO_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_inf
 VOCAB_PADDING = 1024  # embeddings are padded past the tokenizer (Qwen3: 267 ids); more means another model
 
 T = TypeVar("T")
-
-
-class RequestTimeout(httpx.TimeoutException):
-    """The whole request (connect to last byte) took longer than its budget."""
 
 
 def _declared_length(headers: Any) -> int | None:
@@ -169,7 +173,7 @@ class HttpPool:
                            for _ in range(count)]
         self._free = [i for i in range(len(self.shards)) for _ in range(per_shard)]  # one entry per connection
         self._gate = asyncio.Semaphore(len(self._free))
-        self._direct = self.transport in ("aiohttp_direct", "asyncio")  # no httpx client in the way
+        self._direct = self.transport == "aiohttp_direct"  # aiohttp's client, no httpx client in the way
         if self.transport in ("aiohttp", "aiohttp_direct"):
             import aiohttp  # noqa: F401  # loaded now, so its errors are among the transient ones
         self._errors = _transient_errors()
@@ -186,6 +190,8 @@ class HttpPool:
             shard = self._free.pop()  # the gate guarantees one; LIFO reuses warm connections
             try:
                 client = self.shards[shard]
+                if isinstance(client, AsyncioClient):  # bounds the request itself: no timeout scope around it
+                    return await client.request(method, url, max_body=self.max_body, limit=limit, **kwargs)
                 if self._direct:
                     send = client.request(method, url, max_body=self.max_body, **kwargs)
                 else:
@@ -195,7 +201,7 @@ class HttpPool:
                 try:
                     return await within(max(limit, 0.0), send)
                 except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
-                    raise RequestTimeout(f"no complete reply within {limit:.3g}s (connect to last byte)") from None
+                    raise RequestTimeout.after(limit) from None
             finally:
                 self._free.append(shard)
 

@@ -17,6 +17,7 @@ line, and the body (`max_body`, `ReplyTooLarge` past it). Malformed replies rais
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,14 @@ class ReplyTooLarge(Exception):
         size = f"declared {declared} bytes" if declared is not None else f"ran past {limit} bytes"
         super().__init__(f"HTTP {status} reply {size}, over engine_max_reply_bytes={limit}")
         self.status = status
+
+
+class RequestTimeout(httpx.TimeoutException):
+    """The whole request (connect to last byte) took longer than its budget."""
+
+    @classmethod
+    def after(cls, limit: float) -> RequestTimeout:
+        return cls(f"no complete reply within {limit:.3g}s (connect to last byte)")
 
 
 @attrs.frozen
@@ -231,18 +240,26 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
             self.transport = None
 
-    async def exchange(self, data: bytes, max_body: int) -> _Reply:
-        """Write one request, wait for its whole reply."""
+    async def exchange(self, data: bytes, max_body: int, deadline: float | None, limit: float | None) -> _Reply:
+        """Write one request, wait for its whole reply; `RequestTimeout` at `deadline` (loop time).
+
+        The deadline is one timer on the loop that fails the wait, cheaper per request than a
+        timeout scope around it (no cancellation to translate back).
+        """
         assert self.transport is not None
         self.max_body = max_body
         self.reply = None
         self.buffer.clear()
-        self.waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.waiter = loop.create_future()
+        timer = loop.call_at(deadline, self._fail, RequestTimeout.after(limit or 0.0)) if deadline is not None else None
         self.transport.write(data)
         try:
             return await self.waiter
         finally:
             self.waiter = None
+            if timer is not None:
+                timer.cancel()
 
 
 def _parse_head(head: bytes, max_body: int) -> _Reply:
@@ -319,18 +336,23 @@ class AsyncioClient:
             self._heads[key] = known
         return known
 
-    async def _connect(self, origin: tuple[str, str, int]) -> Connection:
+    async def _connect(self, origin: tuple[str, str, int], deadline: float | None, limit: float | None) -> Connection:
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
         tls = self.tls if scheme == "https" else None
+        seconds = self.timeout.connect if self.timeout.connect is not None else math.inf
+        if deadline is not None and deadline - loop.time() < seconds:  # the request's budget runs out first
+            seconds, error = max(deadline - loop.time(), 0.0), RequestTimeout.after(limit or 0.0)
+        else:
+            error = httpx.ConnectTimeout(f"no connection to {host}:{port} within {self.timeout.connect}s")
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: Connection(origin), host, port, ssl=tls,
                                        server_hostname=host if tls else None),
-                self.timeout.connect,
+                None if math.isinf(seconds) else seconds,
             )
         except (asyncio.TimeoutError, TimeoutError):
-            raise httpx.ConnectTimeout(f"no connection to {host}:{port} within {self.timeout.connect}s") from None
+            raise error from None
         except OSError as exc:
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from None
         return conn
@@ -357,8 +379,13 @@ class AsyncioClient:
         idle.append(conn)
 
     async def request(self, method: str, url: str, *, content: bytes | None = None, json: Any = None,
-                      headers: dict[str, str] | None = None, max_body: int = 1 << 30) -> RawResponse:
-        """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it)."""
+                      headers: dict[str, str] | None = None, max_body: int = 1 << 30,
+                      limit: float | None = None) -> RawResponse:
+        """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it).
+
+        `limit` bounds the whole request in seconds, connect to last byte (`RequestTimeout`).
+        """
+        deadline = None if limit is None else asyncio.get_running_loop().time() + max(limit, 0.0)
         if json is not None:
             content = dumps(json)
             headers = {"Content-Type": "application/json", **(headers or {})}
@@ -375,22 +402,23 @@ class AsyncioClient:
         lines.append(b"\r\n")
         lines.append(body)
         data = b"".join(lines)
-        reply = await self._send(origin, data, max_body)
+        reply = await self._send(origin, data, max_body, deadline, limit)
         content_bytes = reply.parts[0] if len(reply.parts) == 1 else b"".join(reply.parts)
         raw = RawResponse(reply.status, reply.headers, content_bytes)
         await response_hooks(self.event_hooks, raw, request)
         return raw
 
-    async def _send(self, origin: tuple[str, str, int], data: bytes, max_body: int) -> _Reply:
+    async def _send(self, origin: tuple[str, str, int], data: bytes, max_body: int, deadline: float | None,
+                    limit: float | None) -> _Reply:
         """One exchange; once again on a fresh connection when a reused one was dropped before replying."""
         for fresh in (False, True):
             conn = None if fresh else self._checkout(origin)
             reused = conn is not None
             if conn is None:
-                conn = await self._connect(origin)
+                conn = await self._connect(origin, deadline, limit)
             done = False
             try:
-                reply = await conn.exchange(data, max_body)
+                reply = await conn.exchange(data, max_body, deadline, limit)
                 done = True
             except httpx.ReadError:
                 if reused and conn.reply is None and not conn.buffer:  # the keep-alive race: try a new one

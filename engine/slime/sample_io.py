@@ -293,7 +293,9 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
     """What the trace tools read back: the path, why it ended, per-turn and per-tool records."""
     record = r.record
     meta: dict[str, Any] = {
-        "trace": [list(edge) for edge in record.trace],
+        # Tuples of strings and numbers: the collector stops tracking them, so the thousands of
+        # samples a step holds cost every full collection less (lists would each be walked).
+        "trace": list(record.trace),
         "guards": list(record.guards),
         "termination_reason": record.reason,
         "turns": list(record.turn_log),
@@ -303,7 +305,7 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
         "profile": r.cfg.profile,
     }
     segments = r.traj.segments
-    meta["segments"] = [[s.kind, s.start, s.end, s.weight_version] for s in segments]
+    meta["segments"] = [(s.kind, s.start, s.end, s.weight_version) for s in segments]
     meta["policy_versions"] = len({s.weight_version for s in segments if s.kind == "model"})
     meta["attempt"] = r.attempt
     meta["final_text"] = r.final_text

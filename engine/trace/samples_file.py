@@ -35,7 +35,20 @@ def _from_torch(path: Path) -> list[dict[str, Any]]:
 
     data = torch.load(path, weights_only=False)  # slime's dumps hold plain Python objects
     items = data.get("samples", []) if isinstance(data, dict) else data
-    return [_as_dict(item) for item in _flatten(items)]
+    samples = [_as_dict(item) for item in _flatten(items)]
+    for sample in samples:  # as the JSONL path reads it: the engine writes tuples, JSON gives lists back
+        if isinstance(sample.get("metadata"), dict):
+            sample["metadata"] = _as_json(sample["metadata"])
+    return samples
+
+
+def _as_json(value: Any) -> Any:
+    """Tuples as lists, all the way down (what a JSON round trip does to them)."""
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_json(v) for v in value]
+    return value
 
 
 def _from_json(path: Path) -> list[dict[str, Any]]:

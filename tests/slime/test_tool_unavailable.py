@@ -54,7 +54,7 @@ def test_a_tool_that_cannot_work_ends_the_sample_failed_and_untrained(name: str,
     for sample in samples:
         fsm = sample.metadata["fsm"]
         assert (sample.status.name, fsm["termination_reason"]) == ("FAILED", "tool_unavailable")
-        assert fsm["trace"][-1] == [f"TOOL_{name.upper()}", "tool_unavailable", "FAILED"]
+        assert fsm["trace"][-1] == (f"TOOL_{name.upper()}", "tool_unavailable", "FAILED")
         assert REASON in fsm["engine_error"] and "attempts" not in fsm  # not re-run
         assert sample.remove_sample and sample.response_length > 0  # the model's turn is there, not trained
         view = train_view(generate_and_rm(args, sample))
