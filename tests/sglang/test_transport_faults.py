@@ -2,7 +2,8 @@
 
 A server that drips headers or a body, a 429/503 with `Retry-After`, a redirect: each is
 played by `LoopbackServer` and each transport (httpx's own, aiohttp's under httpx's API,
-aiohttp's client directly) must end the sample within its time bounds, with its status code in `engine_error`.
+aiohttp's client directly, the engine's own `asyncio` client) must end the sample within its time
+bounds, with its status code in `engine_error`.
 Elapsed-time bounds here are correctness (the sample must not hang), with generous slack.
 """
 
