@@ -30,7 +30,8 @@ from engine.sglang.wire import dumps
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers; SGLang sends a few hundred
 MAX_CHUNK_LINE = 1024  # bytes of one chunk-size line (hex size and extensions)
-IDLE_SECONDS = 5.0  # an idle connection older than this is closed, not reused: servers drop them
+IDLE_SECONDS = 4.0  # an idle connection older than this is closed, not reused: uvicorn drops them at 5 s
+MAX_INTERIM = 8  # 1xx replies accepted before the real one
 
 
 class ReplyTooLarge(Exception):
@@ -83,27 +84,37 @@ async def response_hooks(hooks: Hooks, raw: RawResponse, request: httpx.Request 
 
 
 class Headers(dict[str, str]):
-    """Reply headers, names lower-cased; `get` takes any case (what the engine reads)."""
+    """Reply headers, names lower-cased; `get`, `in` and `[]` take any case."""
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         return dict.get(self, key.lower(), default)
 
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key.lower() if isinstance(key, str) else key)
+
+    def __getitem__(self, key: str) -> str:
+        return dict.__getitem__(self, key.lower())
+
 
 class _Reply:
-    """One response being read: framing from the head, the body's parts as they come."""
+    """One response being read: framing from the head, the body as it comes (one buffer, so a
+    server sending a million tiny chunks costs no more memory than one large one)."""
 
-    __slots__ = ("status", "headers", "length", "chunked", "chunk", "parts", "size", "keep_alive")
+    __slots__ = ("status", "headers", "length", "chunked", "chunk", "body", "keep_alive")
 
     def __init__(self, status: int, headers: Headers, length: int | None, chunked: bool, keep_alive: bool) -> None:
         self.status, self.headers, self.length, self.chunked = status, headers, length, chunked
         self.keep_alive = keep_alive
         self.chunk: int | None = None  # chunked: bytes of the chunk being read; None at a size line
-        self.parts: list[bytes] = []
-        self.size = 0
+        self.body = bytearray()
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive connection; one request at a time (the pool never shares one)."""
+    """One keep-alive connection; one request at a time (the pool never shares one).
+
+    Memory held for one reply: the head (at most `MAX_HEAD`), the body (at most `max_body`), and
+    for a moment at the end a second copy of the body as the `bytes` handed back.
+    """
 
     def __init__(self, origin: tuple[str, str, int]) -> None:
         self.origin = origin
@@ -114,6 +125,8 @@ class Connection(asyncio.Protocol):
         self.max_body = 1 << 30
         self.closed = False
         self.idle_since = 0.0
+        self.answered = False  # a byte of the reply came: the request is never sent again
+        self.interim = 0  # 1xx replies before the real one
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -123,6 +136,7 @@ class Connection(asyncio.Protocol):
         if self.waiter is None or self.waiter.done():  # bytes nobody asked for: the connection is unusable
             self.close()
             return
+        self.answered = True
         self.buffer += data
         try:
             self._advance()
@@ -144,45 +158,44 @@ class Connection(asyncio.Protocol):
             if reply is not None and reply.length is None and not reply.chunked:
                 self._complete(reply)  # read until close: the close ends it
             else:
-                got = "before any reply" if reply is None and not self.buffer else "mid-reply"
+                got = "mid-reply" if self.answered else "before any reply"
                 self.waiter.set_exception(httpx.ReadError(f"the server closed the connection {got}"))
 
     # parsing
     def _advance(self) -> None:
-        if self.reply is None:
+        while self.reply is None:
             end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self.buffer) > MAX_HEAD:
-                    raise httpx.RemoteProtocolError(f"reply head longer than {MAX_HEAD} bytes")
-                return
-            if end > MAX_HEAD:
+            if end < 0 and len(self.buffer) > MAX_HEAD or end > MAX_HEAD:
                 raise httpx.RemoteProtocolError(f"reply head longer than {MAX_HEAD} bytes")
+            if end < 0:
+                return
             head = bytes(self.buffer[:end])
             del self.buffer[: end + 4]
-            self.reply = _parse_head(head, self.max_body)
-            if 100 <= self.reply.status < 200:  # an interim reply: the real one follows
-                self.reply = None
-                self._advance()
-                return
+            reply = _parse_head(head, self.max_body)
+            if reply.status >= 200:
+                self.reply = reply
+            elif reply.status == 101 or self.interim >= MAX_INTERIM:  # never asked for: no upgrade, no flood
+                raise httpx.RemoteProtocolError(f"unexpected interim reply {reply.status} (#{self.interim + 1})")
+            else:
+                self.interim += 1  # 100 Continue and the like: the real reply follows
         reply = self.reply
         if reply.chunked:
             self._advance_chunked(reply)
         elif reply.length is not None:
-            need = reply.length - reply.size
-            if len(self.buffer) >= need:
-                reply.parts.append(bytes(self.buffer[:need]))
-                reply.size += need
-                del self.buffer[:need]
+            self._take(reply, min(len(self.buffer), reply.length - len(reply.body)))
+            if len(reply.body) == reply.length:
                 self._complete(reply)
         else:  # until close, capped
             self._take(reply, len(self.buffer))
 
     def _take(self, reply: _Reply, n: int) -> None:
-        if reply.size + n > self.max_body:
+        """Move `n` bytes from the buffer to the body, refusing to grow it past `max_body`."""
+        if len(reply.body) + n > self.max_body:
             raise ReplyTooLarge(reply.status, self.max_body)
-        reply.parts.append(bytes(self.buffer[:n]))
-        reply.size += n
-        del self.buffer[:n]
+        if n:
+            with memoryview(self.buffer) as view:
+                reply.body += view[:n]
+            del self.buffer[:n]
 
     def _advance_chunked(self, reply: _Reply) -> None:
         while True:
@@ -197,7 +210,7 @@ class Connection(asyncio.Protocol):
                     raise httpx.RemoteProtocolError(f"bad chunk size {size_text[:20]!r}")
                 del self.buffer[: end + 2]
                 size = int(size_text, 16)
-                if reply.size + size > self.max_body:
+                if len(reply.body) + size > self.max_body:
                     raise ReplyTooLarge(reply.status, self.max_body)
                 reply.chunk = size if size else -1  # -1: the last chunk; trailers follow
             if reply.chunk == -1:  # trailer lines until an empty one
@@ -216,9 +229,8 @@ class Connection(asyncio.Protocol):
                 return
             if self.buffer[size : size + 2] != b"\r\n":
                 raise httpx.RemoteProtocolError("chunk not followed by CRLF")
-            reply.parts.append(bytes(self.buffer[:size]))
-            reply.size += size
-            del self.buffer[: size + 2]
+            self._take(reply, size)
+            del self.buffer[:2]
             reply.chunk = None
 
     def _complete(self, reply: _Reply) -> None:
@@ -249,6 +261,7 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self.max_body = max_body
         self.reply = None
+        self.answered, self.interim = False, 0
         self.buffer.clear()
         loop = asyncio.get_running_loop()
         self.waiter = loop.create_future()
@@ -266,9 +279,10 @@ def _parse_head(head: bytes, max_body: int) -> _Reply:
     """Status line and headers; the body's framing; `ReplyTooLarge` for a declared length past the cap."""
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 or not parts[1].isdigit():
+    code = parts[1] if len(parts) > 1 else b""
+    if parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or not (len(code) == 3 and code.isdigit() and b"100" <= code <= b"599"):
         raise httpx.RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-    status = int(parts[1])
+    status = int(code)
     headers = Headers()
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
@@ -276,25 +290,32 @@ def _parse_head(head: bytes, max_body: int) -> _Reply:
             raise httpx.RemoteProtocolError(f"malformed header line {line[:80]!r}")
         key = name.decode("latin-1").lower()
         text = value.strip().decode("latin-1")
-        if key in headers:
-            if key == "content-length" and headers[key] != text:
-                raise httpx.RemoteProtocolError("conflicting Content-Length headers")
-            headers[key] = headers[key] + ", " + text
-        else:
+        if key not in headers:
             headers[key] = text
-    chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-    length = None
-    if not chunked and "content-length" in headers:
+        elif key == "content-length":  # repeated: only the same value is acceptable
+            if dict.__getitem__(headers, key) != text:
+                raise httpx.RemoteProtocolError("conflicting Content-Length headers")
+        else:
+            headers[key] = dict.__getitem__(headers, key) + ", " + text
+    keep_alive = parts[0] == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+    if status in (204, 304):  # never a body, whatever the headers say
+        return _Reply(status, headers, 0, False, keep_alive)
+    length, chunked = None, False
+    codings = headers.get("transfer-encoding")
+    if codings is not None:
+        if codings.rsplit(",", 1)[-1].strip().lower() != "chunked":
+            raise httpx.RemoteProtocolError(f"unsupported Transfer-Encoding {codings[:40]!r}")
+        chunked = True
+        if "content-length" in headers:  # both: chunked frames it, and the connection is not trusted again
+            keep_alive = False
+    elif "content-length" in headers:
         value = headers["content-length"]
-        if not value.isdigit() or len(value) > 18:
+        if not (value.isascii() and value.isdigit()) or len(value) > 18:
             raise httpx.RemoteProtocolError(f"bad Content-Length {value[:30]!r}")
         length = int(value)
         if length > max_body:
             raise ReplyTooLarge(status, max_body, length)
-    if status in (204, 304):
-        length = 0
-    keep_alive = parts[0] == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
-    if length is None and not chunked:
+    else:
         keep_alive = False  # the close delimits the body
     return _Reply(status, headers, length, chunked, keep_alive)
 
@@ -362,7 +383,8 @@ class AsyncioClient:
         now = asyncio.get_running_loop().time()
         while idle:
             conn = idle.pop()
-            if not conn.closed and conn.transport is not None and now - conn.idle_since < IDLE_SECONDS:
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing() \
+                    and now - conn.idle_since < IDLE_SECONDS:
                 return conn
             conn.close()
         return None
@@ -383,8 +405,14 @@ class AsyncioClient:
                       limit: float | None = None) -> RawResponse:
         """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it).
 
-        `limit` bounds the whole request in seconds, connect to last byte (`RequestTimeout`).
+        `limit` bounds the whole request in seconds, connect to last byte (`RequestTimeout`);
+        without one, the client's read timeout does. HEAD is not supported (its reply's framing
+        differs, and the engine never sends one).
         """
+        if method == "HEAD":
+            raise httpx.LocalProtocolError("this client does not send HEAD requests")
+        if limit is None:
+            limit = self.timeout.read
         deadline = None if limit is None else asyncio.get_running_loop().time() + max(limit, 0.0)
         if json is not None:
             content = dumps(json)
@@ -403,7 +431,7 @@ class AsyncioClient:
         lines.append(body)
         data = b"".join(lines)
         reply = await self._send(origin, data, max_body, deadline, limit)
-        content_bytes = reply.parts[0] if len(reply.parts) == 1 else b"".join(reply.parts)
+        content_bytes = bytes(reply.body)
         raw = RawResponse(reply.status, reply.headers, content_bytes)
         await response_hooks(self.event_hooks, raw, request)
         return raw
@@ -421,7 +449,7 @@ class AsyncioClient:
                 reply = await conn.exchange(data, max_body, deadline, limit)
                 done = True
             except httpx.ReadError:
-                if reused and conn.reply is None and not conn.buffer:  # the keep-alive race: try a new one
+                if reused and not conn.answered:  # the keep-alive race: not a byte came, try a new one
                     continue
                 raise
             finally:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from engine.sglang.client import HttpPool, ReplyTooLarge
-from engine.sglang.http1 import MAX_HEAD, AsyncioClient
+from engine.sglang.http1 import MAX_HEAD, AsyncioClient, RequestTimeout
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]  # False: close after
 
@@ -146,6 +146,8 @@ def test_a_fresh_connection_closed_before_a_reply_is_a_read_error_not_retried_he
     (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}junk", False),  # bytes past the reply
     (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", True),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;ext=1\r\n{\r\n1\r\n}\r\n0\r\nX-Trailer: 1\r\n\r\n", True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}", True),  # repeated, the same value
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n2\r\n{}\r\n0\r\n\r\n", False),
 ])
 def test_framing_and_whether_the_connection_is_kept(raw: bytes, reused: bool) -> None:
     async def go() -> None:
@@ -181,6 +183,11 @@ def test_a_body_delimited_by_the_close_is_read_to_the_end() -> None:
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}XX0\r\n\r\n", "CRLF"),
     (b"HTTP/1.1 200 OK\r\nX: " + b"a" * (MAX_HEAD + 10), "head longer"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 2000, "chunk-size line too long"),
+    (b"HTTP/1.1 000 Zero\r\n\r\n", "status line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n", "bad Content-Length"),  # a digit to str.isdigit
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", "Transfer-Encoding"),
+    (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "interim"),
+    (b"HTTP/1.1 100 Continue\r\n\r\n" * 20_000, "interim"),  # a flood of them: an error, not a recursion
 ])
 def test_malformed_replies_are_protocol_errors_and_the_connection_is_dropped(raw: bytes, words: str) -> None:
     async def go() -> None:
@@ -278,3 +285,80 @@ def test_json_bodies_event_hooks_and_the_pool_on_this_transport() -> None:
 
     run(go())
     assert seen[0].startswith("POST /generate {") and seen[1] == "200 {}"
+
+
+def test_a_million_tiny_chunks_are_read_into_one_buffer_and_capped_by_their_bytes() -> None:
+    chunks = b"1\r\nx\r\n" * 50_000
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+
+    async def go() -> None:
+        async with RawServer(reply(raw)) as server:
+            c = client()
+            assert (await c.request("POST", server.url, content=b"{}")).content == b"x" * 50_000
+            with pytest.raises(ReplyTooLarge):
+                await c.request("POST", server.url, content=b"{}", max_body=49_999)
+            await c.aclose()
+
+    run(go())
+
+
+def test_no_content_replies_end_at_their_head_whatever_their_framing_headers_say() -> None:
+    async def go() -> None:
+        raw = b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\nContent-Length: 999999999999\r\n\r\n"
+        async with RawServer(reply(raw)) as server:
+            c = client()
+            r = await asyncio.wait_for(c.request("POST", server.url, content=b"{}", max_body=100), 2.0)
+            assert (r.status_code, r.content) == (204, b"")
+            await c.aclose()
+
+    run(go())
+
+
+def test_a_request_the_server_began_to_answer_is_never_sent_again() -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        if n == 2:  # on the reused connection: an interim reply, then the close
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+            return False
+        writer.write(OK)
+        await writer.drain()
+        return True
+
+    async def go() -> None:
+        async with RawServer(answer) as server:
+            c = client()
+            assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
+            with pytest.raises(httpx.ReadError, match="mid-reply"):
+                await c.request("POST", server.url, content=b"{}")
+            await c.aclose()
+        assert len(server.requests) == 2
+
+    run(go())
+
+
+def test_without_a_limit_the_read_timeout_bounds_the_request() -> None:
+    import ssl
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        await reader.read()
+        return False
+
+    async def go() -> None:
+        async with RawServer(silent) as server:
+            c = AsyncioClient(2, httpx.Timeout(0.3, connect=2.0), ssl.create_default_context())
+            with pytest.raises(RequestTimeout):
+                await asyncio.wait_for(c.request("GET", server.url), 5.0)
+            await c.aclose()
+
+    run(go())
+
+
+def test_reply_headers_answer_in_any_case() -> None:
+    async def go() -> None:
+        async with RawServer(reply(b"HTTP/1.1 200 OK\r\nRetry-After: 3\r\nContent-Length: 0\r\n\r\n")) as server:
+            c = client()
+            r = await c.request("POST", server.url, content=b"{}")
+            assert r.headers.get("retry-after") == r.headers["RETRY-AFTER"] == "3" and "Retry-After" in r.headers
+            await c.aclose()
+
+    run(go())
