@@ -22,7 +22,7 @@ from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
 from engine.sglang.client import SGLangClient, make_http_client
 
-START_GATE = 32  # prompts rendered per event-loop turn when many samples start at once
+START_GATE = 32  # samples beginning their set-up per event-loop turn when many start at once
 PROMPT_CACHE = 4096
 ABORT_POLL_SECONDS = 0.2  # how soon running tool calls see the caller's abort flag
 
@@ -38,8 +38,8 @@ class Runtime:
     tool_runner: ToolRunner
     abort: AbortSignal = attrs.field(factory=AbortSignal)
     abort_check: Callable[[], bool] | None = None  # the caller's own flag (slime's, via the adapter)
-    # Samples starting in one burst take turns rendering their prompts, so the event loop
-    # gets a say between every few dozen of them instead of after thousands.
+    # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
+    # between every few dozen of them instead of after thousands.
     start_gate: asyncio.Semaphore = attrs.field(factory=lambda: asyncio.Semaphore(START_GATE))
     _prompts: OrderedDict[tuple[str, frozenset[str], str, int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
@@ -64,25 +64,22 @@ class Runtime:
         """The rendered prompt's ids. Cached: the samples of a GRPO group share one prompt.
 
         `own_schemas` are the sample's own tool schemas (slime's `--tool-key`), shown instead of
-        the registered ones for the tools they name by a profile that renders them (chat). Every start passes the gate and yields once:
-        thousands of samples started together would otherwise each run to their first request in
-        a single event-loop turn.
+        the registered ones for the tools they name by a profile that renders them (chat). A burst
+        of starts is spread over event-loop turns before it gets here, by `in_flight`.
         """
         if not getattr(self.profile, "renders_sample_schemas", False):
             own_schemas = None  # retool shows the example's tool spec, whatever the dataset says
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
         own = json.dumps(own_schemas, sort_keys=True, default=str) if own_schemas else ""
         key = (text, allowed, own, tools.registry.version())  # a re-registered tool may change its schema
-        async with self.start_gate:
-            await asyncio.sleep(0)  # the renders of a burst spread over event-loop turns
-            ids = self._prompts.get(key)
-            if ids is None:
-                schemas = self.tool_schemas(allowed, own_schemas)
-                ids = self._prompts[key] = tuple(self.profile.render_prompt(prompt, schemas))
-                if len(self._prompts) > PROMPT_CACHE:
-                    self._prompts.popitem(last=False)
-            else:
-                self._prompts.move_to_end(key)
+        ids = self._prompts.get(key)
+        if ids is None:
+            schemas = self.tool_schemas(allowed, own_schemas)
+            ids = self._prompts[key] = tuple(self.profile.render_prompt(prompt, schemas))
+            if len(self._prompts) > PROMPT_CACHE:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
         return list(ids)
 
     def abort_requested(self) -> bool:

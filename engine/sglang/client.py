@@ -49,6 +49,7 @@ from engine.sglang.http1 import (
     RawResponse,
     ReplyTooLarge,
     RequestTimeout,
+    json_body,
     request_hooks,
     response_hooks,
 )
@@ -56,7 +57,6 @@ from engine.sglang.wire import (
     Failure,
     Reply,
     RequestBody,
-    dumps,
     error_message,
     is_context_error,
     loads,
@@ -79,7 +79,8 @@ T = TypeVar("T")
 
 def _declared_length(headers: Any) -> int | None:
     value = headers.get("content-length")
-    return int(value) if value is not None and value.strip().isdigit() else None
+    text = value.strip() if value is not None else ""
+    return int(text) if text.isascii() and text.isdigit() else None  # "²" is a digit to str.isdigit
 
 
 async def _read_capped(chunks: Any, status: int, limit: int) -> bytes:
@@ -173,7 +174,6 @@ class HttpPool:
                            for _ in range(count)]
         self._free = [i for i in range(len(self.shards)) for _ in range(per_shard)]  # one entry per connection
         self._gate = asyncio.Semaphore(len(self._free))
-        self._direct = self.transport == "aiohttp_direct"  # aiohttp's client, no httpx client in the way
         if self.transport in ("aiohttp", "aiohttp_direct"):
             import aiohttp  # noqa: F401  # loaded now, so its errors are among the transient ones
         self._errors = _transient_errors()
@@ -192,7 +192,7 @@ class HttpPool:
                 client = self.shards[shard]
                 if isinstance(client, AsyncioClient):  # bounds the request itself: no timeout scope around it
                     return await client.request(method, url, max_body=self.max_body, limit=limit, **kwargs)
-                if self._direct:
+                if isinstance(client, DirectClient):
                     send = client.request(method, url, max_body=self.max_body, **kwargs)
                 else:
                     send = _httpx_request(client, method, url, self.max_body, **kwargs)
@@ -281,9 +281,8 @@ class DirectClient:
         """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it)."""
         if self._session is None:  # made on first use, inside the event loop
             self._session = self._open()
-        if json is not None:  # encoded here, so hooks and the wire see the same bytes
-            content, json = dumps(json), None
-            headers = {"Content-Type": "application/json", **(headers or {})}
+        if json is not None:
+            (content, headers), json = json_body(json, headers), None
         request = await request_hooks(self.event_hooks, method, url, content, headers)
         async with self._session.request(method, url, data=content, json=json, headers=headers,
                                          allow_redirects=False) as response:

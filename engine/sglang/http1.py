@@ -63,6 +63,12 @@ class RawResponse:
 Hooks = dict[str, list[Callable[..., Any]]]
 
 
+def json_body(value: Any, headers: dict[str, str] | None) -> tuple[bytes, dict[str, str]]:
+    """A `json=` argument as the bytes to send and the headers that say so (encoded once, so
+    hooks and the wire see the same bytes)."""
+    return dumps(value), {"Content-Type": "application/json", **(headers or {})}
+
+
 async def request_hooks(hooks: Hooks, method: str, url: str, content: bytes | None,
                         headers: dict[str, str] | None) -> httpx.Request | None:
     """Run httpx "request" hooks on an `httpx.Request` built for them; None (nothing built) without hooks."""
@@ -240,6 +246,9 @@ class Connection(asyncio.Protocol):
                 reply.keep_alive = False
             waiter.set_result(reply)
 
+    def _expire(self, limit: float | None) -> None:
+        self._fail(RequestTimeout.after(limit or 0.0))
+
     def _fail(self, exc: BaseException) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc)
@@ -265,7 +274,7 @@ class Connection(asyncio.Protocol):
         self.buffer.clear()
         loop = asyncio.get_running_loop()
         self.waiter = loop.create_future()
-        timer = loop.call_at(deadline, self._fail, RequestTimeout.after(limit or 0.0)) if deadline is not None else None
+        timer = loop.call_at(deadline, self._expire, limit) if deadline is not None else None
         self.transport.write(data)
         try:
             return await self.waiter
@@ -415,8 +424,7 @@ class AsyncioClient:
             limit = self.timeout.read
         deadline = None if limit is None else asyncio.get_running_loop().time() + max(limit, 0.0)
         if json is not None:
-            content = dumps(json)
-            headers = {"Content-Type": "application/json", **(headers or {})}
+            content, headers = json_body(json, headers)
         request = await request_hooks(self.event_hooks, method, url, content, headers)
         origin, head = self._target(method, url)
         body = content or b""
@@ -461,10 +469,6 @@ class AsyncioClient:
                 conn.close()
             return reply
         raise AssertionError("unreachable")
-
-    async def post(self, url: str, **kwargs: Any) -> Any:
-        """POST through `request`."""
-        return await self.request("POST", url, **kwargs)
 
     async def aclose(self) -> None:
         """Close every idle connection; ones in use close when their request ends."""

@@ -70,6 +70,17 @@ def reply(raw: bytes, keep: bool = True) -> Answer:
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
 
+def second_request_gets(raw: bytes) -> Answer:
+    """OK to every request but the second (on the reused connection): `raw`, then the close."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(raw if n == 2 else OK)
+        await writer.drain()
+        return n != 2
+
+    return answer
+
+
 def client(**kw: object) -> AsyncioClient:
     import ssl
 
@@ -110,15 +121,8 @@ def test_a_keep_alive_connection_the_server_dropped_is_replaced_without_an_error
 
 
 def test_the_race_where_the_server_closes_as_the_request_goes_out_is_retried_once_on_a_new_connection() -> None:
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
-        if n == 2:  # read the second request, then drop the connection without a byte
-            return False
-        writer.write(OK)
-        await writer.drain()
-        return True
-
     async def go() -> None:
-        async with RawServer(answer) as server:
+        async with RawServer(second_request_gets(b"")) as server:  # not a byte, then the close
             c = client()
             assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
             assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
@@ -315,17 +319,8 @@ def test_no_content_replies_end_at_their_head_whatever_their_framing_headers_say
 
 
 def test_a_request_the_server_began_to_answer_is_never_sent_again() -> None:
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
-        if n == 2:  # on the reused connection: an interim reply, then the close
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            await writer.drain()
-            return False
-        writer.write(OK)
-        await writer.drain()
-        return True
-
     async def go() -> None:
-        async with RawServer(answer) as server:
+        async with RawServer(second_request_gets(b"HTTP/1.1 100 Continue\r\n\r\n")) as server:  # then the close
             c = client()
             assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
             with pytest.raises(httpx.ReadError, match="mid-reply"):
@@ -362,3 +357,11 @@ def test_reply_headers_answer_in_any_case() -> None:
             await c.aclose()
 
     run(go())
+
+
+def test_the_other_transports_read_only_ascii_digits_as_a_declared_length() -> None:
+    from engine.sglang.client import _declared_length
+
+    assert _declared_length({"content-length": " 12 "}) == 12
+    assert _declared_length({"content-length": "\u00b2"}) is None  # a digit to str.isdigit, not to int()
+    assert _declared_length({}) is None
