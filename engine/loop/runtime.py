@@ -60,8 +60,8 @@ class Runtime:
 
     async def prompt_ids(
         self, prompt: Any, allowed: frozenset[str], own_schemas: dict[str, dict[str, Any]] | None = None
-    ) -> list[int]:
-        """The rendered prompt's ids. Cached: the samples of a GRPO group share one prompt.
+    ) -> tuple[int, ...]:
+        """The rendered prompt's ids. Cached: the samples of a GRPO group share one (immutable) tuple.
 
         `own_schemas` are the sample's own tool schemas (slime's `--tool-key`), shown instead of
         the registered ones for the tools they name by a profile that renders them (chat). A burst
@@ -80,7 +80,7 @@ class Runtime:
                 self._prompts.popitem(last=False)
         else:
             self._prompts.move_to_end(key)
-        return list(ids)
+        return ids
 
     def abort_requested(self) -> bool:
         """Whether samples should stop before their next generation."""

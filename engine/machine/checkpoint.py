@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from engine.machine.rollout import Restored, ResumeAt, Rollout, Saved
 from engine.machine.states import State
-from engine.machine.trajectory import Segment, Trajectory, as_float64
+from engine.machine.trajectory import LossMask, Segment, Trajectory, as_float64
 
 VERSION = 1
 
@@ -91,7 +92,7 @@ def _restored_experts(saved: Saved, cp: dict[str, Any], row_bytes: int, n_tokens
     return real
 
 
-def validate(saved: Saved, prompt_ids: list[int], mask_offpolicy: bool, expert_row_bytes: int = 0) -> Restored | str:
+def validate(saved: Saved, prompt_ids: Sequence[int], mask_offpolicy: bool, expert_row_bytes: int = 0) -> Restored | str:
     """The restored trajectory, or the reason the checkpoint is not trusted."""
     cp = saved.checkpoint
     if not isinstance(cp, dict) or cp.get("version") != VERSION:
@@ -129,7 +130,7 @@ def validate(saved: Saved, prompt_ids: list[int], mask_offpolicy: bool, expert_r
             experts = _restored_experts(saved, cp, expert_row_bytes, n_prompt + n_resp)
             if isinstance(experts, str):
                 return experts
-        traj = Trajectory.restore(prompt_ids, ids, lps, array("b", mask), segments, top_p or None,
+        traj = Trajectory.restore(prompt_ids, ids, lps, LossMask.of(mask), segments, top_p or None,
                                   experts, expert_row_bytes)
         if mask_offpolicy:
             traj.mask_tokens_before(n_resp)  # slime may have done it already; doing it twice is harmless

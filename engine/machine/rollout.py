@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -133,7 +133,8 @@ class Rollout:
     inputs: Inputs
     state: str = "RESET"
     traj: Trajectory = attrs.field(factory=Trajectory)
-    prompt_ids: list[int] = attrs.field(factory=list)  # rendered by the driver before `start`
+    # Rendered by the driver before `start`: the runtime's cached tuple, shared by a prompt's samples.
+    prompt_ids: Sequence[int] = ()
     token_budget: int | None = None  # the most tokens prompt + response may hold
     max_new_tokens: int | None = None  # the clamped cap of the next request
     turn_count: int = 0

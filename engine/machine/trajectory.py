@@ -5,9 +5,11 @@ optional top-p replay arrays and the optional routed experts (routing replay, R3
 (`reset`, `append_model_turn`, `append_observation`, `trim`, `mask_tokens_before`), each
 of which moves all arrays together, so no other code can make them disagree.
 
-Arrays are `array.array` rather than lists: a 32k-token sample costs ~9 bytes per
+Arrays are `array.array` rather than lists: a 32k-token sample costs ~8 bytes per
 token instead of ~70 for lists of boxed ints and floats, which matters with tens of
-thousands of samples in flight. They become lists only when handed to slime.
+thousands of samples in flight. The loss mask is held as its runs of ones (`LossMask`):
+a few dozen runs, one per model turn, instead of a byte a token. They become lists only
+when handed to slime.
 
 Logprobs are held as float32 while every value the server sent is one exactly (SGLang's
 are: its logprobs are float32 tensors made Python floats), so slime gets back the very
@@ -23,10 +25,12 @@ right after a model turn. `padded_routed_experts` fills the trailing rows for th
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from array import array
-from collections.abc import Callable, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal
 
 import attrs
@@ -67,6 +71,90 @@ def _digest(ids: array, logprobs: array) -> int:
     return zlib.crc32(as_float64(logprobs).tobytes(), zlib.crc32(ids.tobytes()))
 
 
+class LossMask:
+    """A 0/1 mask held as its runs of ones, sorted and apart: `[start, end)` pairs, flat.
+
+    Model turns are runs of ones and observations runs of zeros, so a 32k-token sample's mask
+    is a few dozen pairs. Reads that the checks need (is any token in a span trained?) are a
+    binary search; `tolist()` gives the per-token list slime takes.
+    """
+
+    __slots__ = ("_bounds", "_length")
+
+    def __init__(self) -> None:
+        self._bounds = array("i")  # start0, end0, start1, end1, ...: ascending, no two runs touching
+        self._length = 0
+
+    @classmethod
+    def of(cls, values: Iterable[int]) -> LossMask:
+        """The mask of per-token `values`; raises ValueError on anything but 0 and 1."""
+        mask = cls()
+        for value, run in itertools.groupby(values):
+            if value not in (0, 1):
+                raise ValueError(f"a loss mask holds 0 and 1 only, not {value!r}")
+            mask.push(value, sum(1 for _ in run))
+        return mask
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __repr__(self) -> str:
+        return f"LossMask(length={self._length}, ones={list(self.runs())})"
+
+    def runs(self) -> Iterator[tuple[int, int]]:
+        """The `(start, end)` spans of ones, in order."""
+        b = self._bounds
+        return zip(b[::2], b[1::2])
+
+    def push(self, value: int, count: int) -> None:
+        """Append `count` tokens of `value` (0 or 1)."""
+        if count <= 0:
+            return
+        b, n = self._bounds, self._length
+        if value:
+            if b and b[-1] == n:
+                b[-1] = n + count
+            else:
+                b.extend((n, n + count))
+        self._length = n + count
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens."""
+        if length >= self._length:
+            return
+        b = self._bounds
+        while b and b[-2] >= length:
+            del b[-2:]
+        if b and b[-1] > length:
+            b[-1] = length
+        self._length = max(0, length)
+
+    def clear_before(self, position: int) -> None:
+        """Set every token before `position` to 0."""
+        if position <= 0:
+            return
+        kept = array("i")
+        for start, end in self.runs():
+            if end > position:
+                kept.extend((max(start, position), end))
+        self._bounds = kept
+
+    def any_in(self, start: int, end: int) -> bool:
+        """Whether any token in `[start, end)` is 1."""
+        if end <= start:
+            return False
+        b = self._bounds
+        i = bisect_right(b, start)
+        return bool(i % 2) or (i < len(b) and b[i] < end)
+
+    def tolist(self) -> list[int]:
+        """One 0 or 1 per token."""
+        out = [0] * self._length
+        for start, end in self.runs():
+            out[start:end] = itertools.repeat(1, end - start)
+        return out
+
+
 @attrs.frozen
 class Segment:
     """A run of response tokens of one origin: one model turn or one observation."""
@@ -85,7 +173,7 @@ class Trajectory:
     prompt_ids: array = attrs.field(factory=lambda: array("i"))
     response_ids: array = attrs.field(factory=lambda: array("i"))
     logprobs: array = attrs.field(factory=lambda: array("f"))  # float32 while exact; see the module docstring
-    loss_mask: array = attrs.field(factory=lambda: array("b"))
+    loss_mask: LossMask = attrs.field(factory=LossMask)
     segments: list[Segment] = attrs.field(factory=list)
     # Top-p replay (slime's rollout_top_p_token_ids/offsets): token i's kept ids are
     # top_p_ids[top_p_offsets[i]:top_p_offsets[i + 1]]. None when the server sends none.
@@ -148,7 +236,7 @@ class Trajectory:
         prompt_ids: Sequence[int],
         ids: array,
         logprobs: array,
-        loss_mask: array,
+        loss_mask: LossMask,
         segments: list[Segment],
         top_p: tuple[array, array] | None = None,
         experts: bytes | None = None,
@@ -175,7 +263,7 @@ class Trajectory:
         self.prompt_ids = array("i", prompt_ids)
         self.response_ids = array("i")
         self.logprobs = array("f")
-        self.loss_mask = array("b")
+        self.loss_mask = LossMask()
         self.segments = []
         self.top_p_ids = None
         self.top_p_offsets = None
@@ -247,7 +335,7 @@ class Trajectory:
             return 0
         del self.response_ids[keep:]
         del self.logprobs[keep:]
-        del self.loss_mask[keep:]
+        self.loss_mask.truncate(keep)
         if self.top_p_offsets is not None and self.top_p_ids is not None:
             del self.top_p_offsets[keep + 1 :]
             del self.top_p_ids[self.top_p_offsets[-1] :]
@@ -266,8 +354,7 @@ class Trajectory:
 
     def mask_tokens_before(self, position: int) -> None:
         """Set the loss mask to 0 for response tokens before `position` (off-policy masking)."""
-        end = min(position, len(self.loss_mask))
-        self.loss_mask[:end] = array("b", bytes(end))
+        self.loss_mask.clear_before(position)
 
     def _logprob_array(self, values: Sequence[float]) -> array:
         """`values` in the trajectory's storage, turning it to float64 if float32 would change one."""
@@ -281,7 +368,7 @@ class Trajectory:
     def _extend(self, ids: array, logprobs: array, mask: int) -> None:
         self.response_ids.extend(ids)
         self.logprobs.extend(logprobs)
-        self.loss_mask.extend(array("b", [mask]) * len(ids))
+        self.loss_mask.push(mask, len(ids))
 
     def _extend_top_p(self, kept: Sequence[int], offsets: Sequence[int]) -> None:
         if self.top_p_offsets is None or self.top_p_ids is None:
@@ -346,11 +433,10 @@ class Trajectory:
             if seg.start != expected_start or seg.end <= seg.start:
                 raise InvariantViolation("I1", f"segment {seg} does not follow {expected_start}")
             expected_start = seg.end
-            mask = self.loss_mask[seg.start : seg.end]
             lps = self.logprobs[seg.start : seg.end]
             # Whole-array scans in C (count, sum, max): this walk runs once per sample, over every token.
             if seg.kind == "observation":
-                if mask.count(0) != len(mask) or lps.count(0.0) != len(lps):
+                if self.loss_mask.any_in(seg.start, seg.end) or lps.count(0.0) != len(lps):
                     raise InvariantViolation("I4", f"observation {seg.start}:{seg.end} has mask 1 or logprob != 0")
             else:
                 if _digest(self.response_ids[seg.start : seg.end], lps) != seg.digest:

@@ -45,6 +45,7 @@ from engine.config import HTTP_TRANSPORTS as TRANSPORTS
 from engine.config import EngineConfig, RetryPolicy
 from engine.sglang.http1 import (
     AsyncioClient,
+    BodySource,
     Hooks,
     RawResponse,
     ReplyTooLarge,
@@ -192,6 +193,8 @@ class HttpPool:
                 client = self.shards[shard]
                 if isinstance(client, AsyncioClient):  # bounds the request itself: no timeout scope around it
                     return await client.request(method, url, max_body=self.max_body, limit=limit, **kwargs)
+                if callable(kwargs.get("content")):  # these clients hold the bytes while the request runs
+                    kwargs["content"] = kwargs["content"]()
                 if isinstance(client, DirectClient):
                     send = client.request(method, url, max_body=self.max_body, **kwargs)
                 else:
@@ -353,7 +356,7 @@ class SGLangClient:
         self._vocab: int | None = vocab_size
         self._vocab_checked = False
         self._vocab_probe: asyncio.Future[int | None] | None = None
-        # One body per sample, kept with its trajectory and gone with it.
+        # One encoded prompt per sample, kept with its trajectory and gone with it.
         self._bodies: weakref.WeakKeyDictionary[Any, RequestBody] = weakref.WeakKeyDictionary()
 
     async def generate(
@@ -367,11 +370,13 @@ class SGLangClient:
     ) -> Reply | Failure:
         """One generation turn, retried while the failure is transient.
 
-        `input_ids` is the ids to send, or a sample's trajectory: then its body is encoded once
-        and only each turn's new ids are appended (the prompt is never encoded again).
+        `input_ids` is the ids to send, or a sample's trajectory: then its prompt's ids are
+        encoded once, and only the response's are encoded each turn.
         `routed_experts_start` asks for routed experts (routing replay) from that row on.
         """
-        body = self.body(input_ids, sampling_params, max_new_tokens, routed_experts_start)
+        def make_body() -> bytes:  # made again for each attempt: no body is held while a reply is awaited
+            return self.body(input_ids, sampling_params, max_new_tokens, routed_experts_start)
+
         headers = {"Content-Type": "application/json"}
         if routing_key:
             headers[ROUTING_HEADER] = str(routing_key)
@@ -382,7 +387,7 @@ class SGLangClient:
         while True:
             attempt += 1
             budget = min(self.request_timeout, deadline - loop.time())
-            outcome = await self._post_once(body, headers, budget, vocab)
+            outcome = await self._post_once(make_body, headers, budget, vocab)
             if isinstance(outcome, Reply):
                 return outcome
             if isinstance(outcome, Failure):
@@ -403,7 +408,7 @@ class SGLangClient:
         self, input_ids: Sequence[int] | TokenSource, sampling_params: dict[str, Any], max_new_tokens: int | None,
         routed_experts_start: int | None = None,
     ) -> bytes:
-        """The request body's bytes; extended from the sample's previous one when there is one."""
+        """The request body's bytes, with the sample's prompt encoded once for all its turns."""
         prompt = getattr(input_ids, "prompt_ids", None)
         response = getattr(input_ids, "response_ids", None)
         if prompt is None or response is None:
@@ -412,7 +417,7 @@ class SGLangClient:
             cached = self._bodies.get(input_ids)
             if cached is None:
                 cached = self._bodies[input_ids] = RequestBody()
-        except TypeError:  # not weak-referenceable: no body to extend
+        except TypeError:  # not weak-referenceable: no prompt kept encoded
             cached = RequestBody()
         return cached.render(prompt, response, sampling_params, max_new_tokens, routed_experts_start)
 
@@ -424,7 +429,7 @@ class SGLangClient:
         return self.retry.delay(attempt, rand)
 
     async def _post_once(
-        self, body: bytes, headers: dict[str, str], budget: float, vocab: int | None
+        self, body: BodySource, headers: dict[str, str], budget: float, vocab: int | None
     ) -> Reply | Failure | _Transient:
         """One POST. Returns a final outcome, or a `_Transient` describing a retryable failure."""
         if budget <= 0:

@@ -61,6 +61,8 @@ class RawResponse:
 
 
 Hooks = dict[str, list[Callable[..., Any]]]
+# A request body made when it is written: nothing need hold a large body while its reply is awaited.
+BodySource = Callable[[], bytes]
 
 
 def json_body(value: Any, headers: dict[str, str] | None) -> tuple[bytes, dict[str, str]]:
@@ -261,11 +263,13 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
             self.transport = None
 
-    async def exchange(self, data: bytes, max_body: int, deadline: float | None, limit: float | None) -> _Reply:
-        """Write one request, wait for its whole reply; `RequestTimeout` at `deadline` (loop time).
+    async def exchange(self, data: BodySource, max_body: int, deadline: float | None, limit: float | None) -> _Reply:
+        """Write one request (`data()` makes its bytes), wait for its whole reply; `RequestTimeout`
+        at `deadline` (loop time).
 
-        The deadline is one timer on the loop that fails the wait, cheaper per request than a
-        timeout scope around it (no cancellation to translate back).
+        The bytes are made here and held by nothing once written: the transport keeps only what
+        the socket did not take at once, until it drains. The deadline is one timer on the loop
+        that fails the wait, cheaper per request than a timeout scope around it.
         """
         assert self.transport is not None
         self.max_body = max_body
@@ -275,8 +279,8 @@ class Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self.waiter = loop.create_future()
         timer = loop.call_at(deadline, self._expire, limit) if deadline is not None else None
-        self.transport.write(data)
         try:
+            self.transport.write(data())
             return await self.waiter
         finally:
             self.waiter = None
@@ -409,14 +413,17 @@ class AsyncioClient:
         conn.idle_since = asyncio.get_running_loop().time()
         idle.append(conn)
 
-    async def request(self, method: str, url: str, *, content: bytes | None = None, json: Any = None,
+    async def request(self, method: str, url: str, *, content: bytes | BodySource | None = None, json: Any = None,
                       headers: dict[str, str] | None = None, max_body: int = 1 << 30,
                       limit: float | None = None) -> RawResponse:
         """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it).
 
-        `limit` bounds the whole request in seconds, connect to last byte (`RequestTimeout`);
-        without one, the client's read timeout does. HEAD is not supported (its reply's framing
-        differs, and the engine never sends one).
+        `content` may be a `BodySource`: it is called for each write (once, or twice when a
+        kept-alive connection turns out closed), so the body is not held while the reply is
+        awaited. Event hooks see a request only with its bytes, so with hooks it is called once
+        and the bytes kept. `limit` bounds the whole request in seconds, connect to last byte
+        (`RequestTimeout`); without one, the client's read timeout does. HEAD is not supported
+        (its reply's framing differs, and the engine never sends one).
         """
         if method == "HEAD":
             raise httpx.LocalProtocolError("this client does not send HEAD requests")
@@ -425,26 +432,39 @@ class AsyncioClient:
         deadline = None if limit is None else asyncio.get_running_loop().time() + max(limit, 0.0)
         if json is not None:
             content, headers = json_body(json, headers)
-        request = await request_hooks(self.event_hooks, method, url, content, headers)
+        if callable(content) and (self.event_hooks["request"] or self.event_hooks["response"]):
+            content = content()
+        request = await request_hooks(self.event_hooks, method, url, content, headers)  # type: ignore[arg-type]
         origin, head = self._target(method, url)
-        body = content or b""
         lines = [head]
         for name, value in (headers or {}).items():
             if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
                 raise httpx.LocalProtocolError(f"header {name!r} holds a line break")
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        if body or method != "GET":
-            lines.append(b"Content-Length: %d\r\n" % len(body))
-        lines.append(b"\r\n")
-        lines.append(body)
-        data = b"".join(lines)
+        if callable(content):
+            source = content
+            prefix = b"".join(lines)
+
+            def data() -> bytes:
+                body = source()
+                return b"".join((prefix, b"Content-Length: %d\r\n\r\n" % len(body), body))
+        else:
+            body = content or b""
+            if body or method != "GET":
+                lines.append(b"Content-Length: %d\r\n" % len(body))
+            lines.append(b"\r\n")
+            lines.append(body)
+            whole = b"".join(lines)
+
+            def data() -> bytes:
+                return whole
         reply = await self._send(origin, data, max_body, deadline, limit)
         content_bytes = bytes(reply.body)
         raw = RawResponse(reply.status, reply.headers, content_bytes)
         await response_hooks(self.event_hooks, raw, request)
         return raw
 
-    async def _send(self, origin: tuple[str, str, int], data: bytes, max_body: int, deadline: float | None,
+    async def _send(self, origin: tuple[str, str, int], data: BodySource, max_body: int, deadline: float | None,
                     limit: float | None) -> _Reply:
         """One exchange; once again on a fresh connection when a reused one was dropped before replying."""
         for fresh in (False, True):

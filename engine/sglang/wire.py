@@ -8,8 +8,8 @@ the vocabulary and every logprob a finite number <= 0 (an id past the embedding 
 trainer with a CUDA assert; an infinite logprob makes an infinite importance ratio).
 `parse_reply` never raises, whatever it is given.
 
-Request bodies are JSON bytes built by `RequestBody`, which encodes a sample's ids once and
-appends only each turn's new ids. JSON goes through orjson when it is installed (8-14x
+Request bodies are JSON bytes built by `RequestBody`, which encodes a sample's prompt ids once
+and its response ids each turn. JSON goes through orjson when it is installed (8-14x
 faster than the standard library on 1k-32k-id bodies), with the standard library as the
 fallback for what orjson refuses (`NaN`, `-Infinity`, integers past 64 bits).
 """
@@ -121,8 +121,28 @@ def _ids_json(ids: Sequence[int]) -> bytes:
     """`1,2,3` (no brackets): ids as they go inside the body's `input_ids` list."""
     if not len(ids):
         return b""
-    values = ids.tolist() if isinstance(ids, array) else ids
-    return dumps(values if isinstance(values, list) else list(values))[1:-1]
+    if isinstance(ids, array):
+        view = _numpy_int32() if len(ids) >= _NUMPY_FROM and ids.typecode == "i" and ids.itemsize == 4 else None
+        if view is not None:  # orjson reads the numpy view in place: ~3.5x faster at 32k ids than via a list
+            return _orjson.dumps(view(ids), option=_orjson.OPT_SERIALIZE_NUMPY)[1:-1]  # type: ignore[union-attr]
+        return dumps(ids.tolist())[1:-1]
+    return dumps(ids if isinstance(ids, list) else list(ids))[1:-1]
+
+
+_NUMPY_FROM = 512  # ids; below this a list is as quick as the view's set-up
+_numpy_view: Any = False  # not looked for yet; None when numpy or orjson is absent
+
+
+def _numpy_int32() -> Any:
+    """A function viewing an int32 `array` as a numpy array, or None; numpy is imported on first use."""
+    global _numpy_view
+    if _numpy_view is False:
+        try:
+            import numpy
+        except ImportError:  # pragma: no cover - numpy comes with torch and slime
+            numpy = None
+        _numpy_view = None if numpy is None or _orjson is None else (lambda ids: numpy.frombuffer(ids, numpy.int32))
+    return _numpy_view
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -207,25 +227,23 @@ def _tail(sampling_params: dict[str, Any], max_new_tokens: int | None, routed_ex
 
 
 class RequestBody:
-    """One sample's `/generate` body as bytes: its ids encoded once, extended per turn.
+    """One sample's `/generate` bodies as bytes: its prompt's ids encoded once, the response's per turn.
 
-    Re-encoding a 32k-id body costs milliseconds a turn; appending the turn's new ids to the
-    bytes already built costs a copy (~6 us at 32k ids). Only the sampling parameters (whose
-    `max_new_tokens` shrinks turn by turn) are encoded afresh. The bytes are rebuilt from
-    scratch when the ids no longer extend those encoded: other arrays (a reset or a restored
-    checkpoint puts new ones in place) or a response that shrank or changed at the seam.
+    Only the prompt's part is kept between turns (its identity says when a reset or a restored
+    checkpoint put another prompt in place). The response's ids are encoded afresh each turn
+    from the trajectory's array, and the body is not kept: a 32k-token sample would otherwise
+    hold ~170 KiB of JSON digits for the whole of its life beside the 290 KiB of its arrays.
+    Encoding 32k ids costs ~0.2 ms (orjson over a numpy view of the array); at the few hundred
+    ids of a short turn it is a few microseconds.
     """
 
-    __slots__ = ("_body", "_encoded", "_ids_end", "_last", "_prompt", "_response", "rebuilds")
+    __slots__ = ("_head", "_prompt", "_prompt_length", "prompt_encodings")
 
     def __init__(self) -> None:
-        self._body = b""
-        self._ids_end = 0  # offset in `_body` just past the last id
+        self._head = _HEAD  # `{"input_ids":[` and the prompt's ids
         self._prompt: Sequence[int] | None = None
-        self._response: Sequence[int] | None = None
-        self._encoded = 0  # response ids in `_body`
-        self._last: int | None = None  # the last of them, to catch a shrink-then-grow
-        self.rebuilds = 0  # bodies built from scratch (tests and benchmarks read it)
+        self._prompt_length = 0
+        self.prompt_encodings = 0  # prompts encoded (tests and benchmarks read it)
 
     def render(
         self,
@@ -236,29 +254,13 @@ class RequestBody:
         routed_experts_start: int | None = None,
     ) -> bytes:
         """The body for prompt + response ids; equal (as JSON) to `generate_payload` of the same."""
-        tail = _tail(sampling_params, max_new_tokens, routed_experts_start)
-        if self._extends(prompt_ids, response_ids):
-            delta = _ids_json(response_ids[self._encoded :])
-            seam = b"," if delta and self._ids_end > len(_HEAD) else b""
-            head = memoryview(self._body)[: self._ids_end]
-            body = b"".join((head, seam, delta, tail))
-            self._ids_end += len(seam) + len(delta)
-        else:
-            self.rebuilds += 1
-            prompt, response = _ids_json(prompt_ids), _ids_json(response_ids)
-            body = b"".join((_HEAD, prompt, b"," if prompt and response else b"", response, tail))
-            self._ids_end = len(body) - len(tail)
-        # `body` is a fresh exact-size object (a join of several parts), never orjson's own buffer.
-        self._body, self._prompt, self._response = body, prompt_ids, response_ids
-        self._encoded = len(response_ids)
-        self._last = response_ids[-1] if self._encoded else None
-        return body
-
-    def _extends(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> bool:
-        if prompt_ids is not self._prompt or response_ids is not self._response:
-            return False
-        n = self._encoded
-        return len(response_ids) >= n and (n == 0 or response_ids[n - 1] == self._last)
+        if prompt_ids is not self._prompt or len(prompt_ids) != self._prompt_length:
+            self.prompt_encodings += 1
+            self._head = _HEAD + _ids_json(prompt_ids)
+            self._prompt, self._prompt_length = prompt_ids, len(prompt_ids)
+        response = _ids_json(response_ids)
+        seam = b"," if response and self._prompt_length else b""
+        return b"".join((self._head, seam, response, _tail(sampling_params, max_new_tokens, routed_experts_start)))
 
 
 # -- error bodies and headers ---------------------------------------------------------------

@@ -9,7 +9,7 @@ import attrs
 import tools
 from engine.local.bench.common import Sizes, instant_interpreter
 from engine.local.bench.fsm import _rollout, edge_index, fsm_cycle, fsm_figures, plain_cycle
-from engine.local.bench.memory import memory_figure
+from engine.local.bench.memory import PROMPT_TOKENS, body_figure, memory_figure
 from engine.local.bench.rollout import BARE_AIOHTTP, BARE_HTTPX, ENGINE, measure_sides, side_names
 from engine.local.bench.server import CannedServer, scenario
 from engine.machine.table import get_machine
@@ -31,10 +31,14 @@ def test_bench_smoke() -> None:
     assert fsm_r.traj.response_ids == plain_r.traj.response_ids
     assert [f.key for f in fsm_figures(TINY)] == ["fsm_setup", "fsm_transition"]
 
-    # Figure 5: one row, bytes per sample measured (the request body among them), the list-size floor computed.
+    # Figure 5: one row, bytes per sample measured (its request waiting on a real socket among them),
+    # the list-size floor computed.
     memory = memory_figure(TINY)
-    assert memory.value > 0 and memory.floor and memory.passed in (True, False)
-    assert memory.notes["request_body_bytes"] > 4 * TINY.memory_tokens  # a JSON body of the ids is held
+    assert memory.value > memory.notes["in_flight_request_bytes"] > 0 and memory.floor and memory.passed in (True, False)
+    assert memory.notes["request_body_bytes"] > 4 * TINY.memory_tokens  # the JSON body of the ids was sent
+    assert memory.notes["encoded_prompt_bytes"] < 8 * PROMPT_TOKENS + 512  # the prompt's digits, not the response's
+    body = body_figure(TINY.memory_tokens, rounds=2)
+    assert body.value > 0 and body.floor and body.passed is None  # information: the CPU the kept bytes would save
 
     # Figure 1's machinery: every engine sample COMPLETED in exactly T turns; every floor sent all requests.
     tok = load_tokenizer()

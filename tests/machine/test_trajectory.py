@@ -6,8 +6,10 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from engine.machine.trajectory import InvariantViolation, Trajectory
+from engine.machine.trajectory import InvariantViolation, LossMask, Trajectory
 
 
 def make() -> Trajectory:
@@ -84,7 +86,7 @@ def test_top_p_replay_is_padded_for_observations_and_trimmed_with_the_rest():
     "corrupt, invariant",
     [
         (lambda t: t.logprobs.append(-1.0), "I1"),
-        (lambda t: t.loss_mask.pop(), "I1"),
+        (lambda t: t.loss_mask.truncate(len(t.loss_mask) - 1), "I1"),
         (lambda t: t.response_ids.append(5), "I1"),
     ],
 )
@@ -102,7 +104,9 @@ def test_full_check_catches_changed_tokens_and_masks():
     with pytest.raises(InvariantViolation, match="I4"):
         t.check(full=True)
     t = make()
-    t.loss_mask[3] = 1  # an observation token marked trainable
+    mask = t.loss_mask.tolist()
+    mask[3] = 1  # an observation token marked trainable
+    t.loss_mask = LossMask.of(mask)
     with pytest.raises(InvariantViolation, match="I4"):
         t.check(full=True)
     t = make()
@@ -125,7 +129,46 @@ def test_arrays_are_compact():
     t.append_model_turn(list(range(1000, 33000)), [-0.5] * 32000)
     assert isinstance(t.response_ids, array) and t.response_ids.itemsize == 4
     assert t.logprobs.itemsize == 4  # -0.5 is a float32 value
-    assert t.response_ids.buffer_info()[1] * 4 + len(t.logprobs) * 4 + len(t.loss_mask) < 32000 * 10
+    assert t.response_ids.buffer_info()[1] * 4 + len(t.logprobs) * 4 < 32000 * 9
+    assert list(t.loss_mask.runs()) == [(0, 32000)]  # one run, not a byte a token
+
+
+# -- the loss mask as runs: every operation against a plain list of 0/1 ---------------------------
+MASK_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.integers(0, 1), st.integers(0, 6)),
+        st.tuples(st.just("truncate"), st.integers(-2, 40)),
+        st.tuples(st.just("clear_before"), st.integers(-2, 40)),
+    ),
+    max_size=30,
+)
+
+
+@given(MASK_OPS, st.integers(0, 40), st.integers(0, 40))
+def test_a_loss_mask_behaves_as_the_list_it_stands_for(ops, a, b):
+    mask, model = LossMask(), []
+    for op, *args in ops:
+        if op == "push":
+            mask.push(args[0], args[1])
+            model += [args[0]] * args[1]
+        elif op == "truncate":
+            mask.truncate(args[0])
+            model = model[: max(0, args[0])]
+        else:
+            mask.clear_before(args[0])
+            model = [0 if i < args[0] else v for i, v in enumerate(model)]
+        assert len(mask) == len(model)
+        assert mask.tolist() == model
+    assert mask.any_in(a, b) == any(model[a:b])
+    assert LossMask.of(model).tolist() == model
+    runs = list(mask.runs())
+    assert all(e1 < s2 for (_, e1), (s2, _) in zip(runs, runs[1:]))  # sorted and apart
+    assert all(s < e for s, e in runs)
+
+
+def test_a_loss_mask_takes_only_zeros_and_ones():
+    with pytest.raises(ValueError, match="0 and 1"):
+        LossMask.of([1, 0, 2])
 
 
 # -- routed experts (routing replay, R3): rows of 2 layers x top-1, aligned with tokens[:-1] ----

@@ -54,7 +54,7 @@ def test_multi_turn_ids_equal_a_full_chat_template_render(fake_interpreter):
     assert incremental_ids_with_tools(profile, messages, convo_turns) == full
     # template glue and tool output are mask 0; every model token is mask 1
     for seg in r.traj.segments:
-        mask = set(r.traj.loss_mask[seg.start : seg.end])
+        mask = set(r.traj.loss_mask.tolist()[seg.start : seg.end])
         assert mask == ({1} if seg.kind == "model" else {0})
 
 

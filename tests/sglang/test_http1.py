@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
+from engine.local.bench.memory import in_flight_request_bytes
 from engine.sglang.client import HttpPool, ReplyTooLarge
 from engine.sglang.http1 import MAX_HEAD, AsyncioClient, RequestTimeout
 
@@ -365,3 +366,15 @@ def test_the_other_transports_read_only_ascii_digits_as_a_declared_length() -> N
     assert _declared_length({"content-length": " 12 "}) == 12
     assert _declared_length({"content-length": "\u00b2"}) is None  # a digit to str.isdigit, not to int()
     assert _declared_length({}) is None
+
+
+# -- memory: a request waiting for its reply holds none of its body ------------------------------
+def test_a_sample_waiting_for_its_reply_holds_none_of_its_request_body() -> None:
+    held, sent = in_flight_request_bytes("asyncio", repeats=1)
+    assert sent > 32768 * 6  # the whole 32k-id body reached the server
+    assert held < sent // 8, f"{held} bytes held while waiting, of a {sent}-byte body"
+
+
+def test_the_other_transports_hold_the_body_while_waiting() -> None:
+    held, sent = in_flight_request_bytes("aiohttp_direct", repeats=1)
+    assert held > sent  # what the asyncio client's body source saves, measured the same way

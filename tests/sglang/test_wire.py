@@ -11,6 +11,7 @@ import base64
 import email.utils
 import json
 import math
+import tracemalloc
 from array import array
 
 import httpx
@@ -173,29 +174,49 @@ def payload_of(body: bytes) -> dict:
     return json.loads(body)
 
 
-def test_a_body_extended_turn_by_turn_equals_one_built_from_scratch() -> None:
+def test_each_turns_body_equals_one_built_from_scratch_with_the_prompt_encoded_once() -> None:
     t, body = Traj(range(100, 140)), RequestBody()
     params = {"temperature": 1.0, "stop": ["</code>"], "max_new_tokens": 99}
-    for turn_no, new in enumerate([[], [1, 2, 3], [], [151645], list(range(5000, 5300))]):
+    # 5,300 ids cross the size where the response goes through a numpy view.
+    for turn_no, new in enumerate([[], [1, 2, 3], [], [151645], list(range(5000, 5300)), [7] * 5000]):
         t.response_ids.extend(new)
         sent = body.render(t.prompt_ids, t.response_ids, params, 50 - turn_no, routed_experts_start=turn_no)
         expected = generate_payload(t.prompt_ids.tolist() + t.response_ids.tolist(), params, 50 - turn_no, turn_no)
         assert payload_of(sent) == expected
-    assert body.rebuilds == 1  # the prompt was encoded once
+    assert body.prompt_encodings == 1
 
 
-def test_a_body_is_rebuilt_when_the_ids_are_not_an_extension() -> None:
+def test_a_body_follows_a_trimmed_response_and_a_new_prompt() -> None:
     t, body = Traj([1, 2, 3], [4, 5]), RequestBody()
     body.render(t.prompt_ids, t.response_ids, {}, None)
     del t.response_ids[1:]  # shrunk in place (a trim), then grown past the old length with other ids
     t.response_ids.extend([9, 9])
     assert payload_of(body.render(t.prompt_ids, t.response_ids, {}, None))["input_ids"] == [1, 2, 3, 4, 9, 9]
-    assert body.rebuilds == 2
+    assert body.prompt_encodings == 1
     t.prompt_ids = array("i", [7])  # a reset puts new arrays in place
     t.response_ids = array("i")
     assert payload_of(body.render(t.prompt_ids, t.response_ids, {}, 3))["input_ids"] == [7]
-    assert body.rebuilds == 3
+    assert body.prompt_encodings == 2
     assert payload_of(RequestBody().render([], [], {}, None))["input_ids"] == []
+    assert payload_of(RequestBody().render([], array("i", range(600)), {}, None))["input_ids"] == list(range(600))
+
+
+def test_a_body_keeps_no_response_bytes_between_turns() -> None:
+    t, body = Traj(range(10)), RequestBody()
+    t.response_ids.extend(range(100000, 132000))
+    RequestBody().render(t.prompt_ids, t.response_ids, {}, 5)  # numpy imported outside the count
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(2):
+            sent = body.render(t.prompt_ids, t.response_ids, {}, 5)
+        size = len(sent)
+        del sent
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert size > 32000 * 7
+    assert held < 1000  # the prompt's ten ids, not the 32k of the response
 
 
 def test_the_client_extends_each_samples_own_body() -> None:
@@ -209,7 +230,7 @@ def test_the_client_extends_each_samples_own_body() -> None:
         assert payload_of(client.body(a, {}, 5))["input_ids"] == [1, 2] + list(range(10, 11 + step))
         assert payload_of(client.body(b, {}, 5))["input_ids"] == [3]
     assert payload_of(client.body([4, 5], {}, None))["input_ids"] == [4, 5]  # a plain list still works
-    assert [body.rebuilds for body in client._bodies.values()] == [1, 1]
+    assert [body.prompt_encodings for body in client._bodies.values()] == [1, 1]
 
 
 # -- headers and model info -------------------------------------------------------------------

@@ -41,7 +41,7 @@ def _rollout() -> Rollout:
     """A rollout parked at BUDGET_CHECK with a tool turn and its observation ready to replay."""
     r = Rollout(Inputs(_CFG, prompt="p", sampling_params=dict(_PARAMS), allowed_tools=frozenset({"code_interpreter"}),
                        asked_max_new_tokens=1024))
-    r.prompt_ids = list(range(300))
+    r.prompt_ids = tuple(range(300))
     a.reset_rollout(r)
     r.state = State.BUDGET_CHECK.value
     return r

@@ -19,7 +19,7 @@ from typing import Any
 import tools
 from engine.local.bench.common import Figure, Sizes
 from engine.local.bench.fsm import fsm_figures
-from engine.local.bench.memory import memory_figure
+from engine.local.bench.memory import body_figure, memory_figure
 from engine.local.bench.ray import ray_figures
 from engine.local.bench.report import format_table, to_json
 from engine.local.bench.rollout import rollout_figures, scale_figure
@@ -72,7 +72,7 @@ def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[st
     clock.start("2 fsm")
     fsm = fsm_figures(sizes)
     clock.start("5 memory")
-    memory = memory_figure(sizes)
+    memory = [memory_figure(sizes), body_figure(sizes.memory_tokens)]
     clock.start("tokenizer load")
     tokenizer = load_tokenizer()
     clock.stop()
@@ -83,7 +83,7 @@ def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[st
     }
     with CannedServer(scenarios) as server:
         http = asyncio.run(_http_figures(server, tokenizer, sizes, clock))
-    groups = [http["rollout"], fsm, http["concurrency"], http["sandbox"], [memory], http["scale"]]
+    groups = [http["rollout"], fsm, http["concurrency"], http["sandbox"], memory, http["scale"]]
     groups.append(ray_figures(sizes))  # 7: sandboxed calls on a two-node Ray test cluster (an info row without ray)
     figures = []
     for number, group in enumerate(groups, 1):

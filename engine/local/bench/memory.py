@@ -6,31 +6,42 @@ from a parsed `Reply`, so the turn log is kept too) and observations (through
 `append_observation`), until the response holds `memory_tokens` tokens. The sample also
 keeps what the driver leaves on it between turns (the last turn's scratch: the reply, let go
 of its ids and logprobs once they are in the trajectory, and the turn's decoded text; the
-response text is made only when the sample ends) and what the HTTP client keeps for it: the encoded request body, extended
-turn by turn and sent as it is (while a request is in flight, that body is what the
-transport holds; the reply's bytes live only until they are parsed). Traced bytes
-(tracemalloc) of everything still alive, divided by the number of samples, are compared
-with the raw size of the same ids, logprobs and mask held as Python lists of boxed ints
-and floats, and judged against 320 KiB.
+response text is made only when the sample ends) and what the HTTP client keeps for it (its
+prompt's ids, encoded once). Traced bytes (tracemalloc) of everything still alive, divided by
+the number of samples, are added to what one such sample's request holds while it waits for
+its reply, measured on a real loopback socket (`in_flight_request_bytes`: on the engine's own
+transport the body is made when written and held by nothing after; httpx and aiohttp hold it
+until the reply). The sum is compared with the raw size of the same ids, logprobs and mask
+held as Python lists of boxed ints and floats, and judged against 320 KiB.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import socket
+import statistics
 import sys
+import threading
+import time
 import tracemalloc
+from array import array
 from typing import Any
+
+import httpx
 
 from engine.config import EngineConfig, RetryPolicy
 from engine.local.bench.common import Figure, Sizes
 from engine.machine import actions as a
 from engine.machine.rollout import Inputs, Rollout, TurnScratch
-from engine.sglang.client import SGLangClient
-from engine.sglang.wire import parse_reply
+from engine.sglang.client import HttpPool, SGLangClient, resolve_transport
+from engine.sglang.wire import RequestBody, parse_reply
 
 TURN_TOKENS = 900  # model tokens per turn
 OBSERVATION_TOKENS = 124  # tool-output tokens per turn
 PROMPT_TOKENS = 400
+# The prompt's ids as the runtime's cache hands them out: one tuple for every sample of a prompt.
+PROMPT_IDS = tuple(range(100000, 100000 + PROMPT_TOKENS))
 CHARS_PER_TOKEN = 4  # typical for English text and code with a BPE vocabulary
 
 
@@ -53,7 +64,7 @@ def build_sample(cfg: EngineConfig, tokens: int, client: SGLangClient | None = N
     client keeps the sample's last body, as between two turns of a real rollout.
     """
     r = Rollout(Inputs(cfg, prompt="p", sampling_params={"max_new_tokens": TURN_TOKENS}, allowed_tools=frozenset({"code_interpreter"})))
-    r.prompt_ids = list(range(PROMPT_TOKENS))
+    r.prompt_ids = PROMPT_IDS
     a.reset_rollout(r)
     turn = 0
     while r.traj.response_length < tokens:
@@ -69,6 +80,114 @@ def build_sample(cfg: EngineConfig, tokens: int, client: SGLangClient | None = N
     return r
 
 
+class DrainingServer:
+    """A loopback `/generate` server on a thread that answers only when released.
+
+    It reads each request into one reused buffer, so it allocates nothing per byte received
+    and the process's traced memory while a request waits is the client's alone. Other paths
+    (the model-info probe) get a 404.
+    """
+
+    REPLY = (b'{"text":"ab","output_ids":[5,6],"meta_info":{"finish_reason":{"type":"stop"},'
+             b'"output_token_logprobs":[[-0.5,5,null],[-0.25,6,null]]}}')
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.received, self.release = threading.Event(), threading.Event()
+        self.body_bytes = 0
+        self._chunk = bytearray(1 << 16)  # made before any count starts
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                while self._answer(conn):
+                    pass
+
+    def _answer(self, conn: socket.socket) -> bool:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = conn.recv(4096)
+            if not data:
+                return False
+            head += data
+        head, rest = head.split(b"\r\n\r\n", 1)
+        lines = head.split(b"\r\n")
+        length = next((int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length:")), 0)
+        left = length - len(rest)
+        while left > 0:
+            got = conn.recv_into(self._chunk, min(len(self._chunk), left))
+            if not got:
+                return False
+            left -= got
+        if not head.startswith(b"POST /generate"):
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+            return True
+        self.body_bytes = length
+        self.received.set()
+        self.release.wait(30)
+        self.release.clear()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(self.REPLY), self.REPLY))
+        return True
+
+    def close(self) -> None:
+        self.release.set()
+        self.listener.close()
+
+
+class _Ids:
+    """A trajectory's two arrays: a 400-token prompt and a 32k-token response."""
+
+    def __init__(self, tokens: int) -> None:
+        self.prompt_ids = array("i", PROMPT_IDS)
+        self.response_ids = array("i", [100000 + i % 50000 for i in range(tokens)])
+
+
+def in_flight_request_bytes(transport: str, tokens: int = 32768, repeats: int = 3) -> tuple[float, int]:
+    """Traced bytes the client holds while one sample's `/generate` request waits for its reply
+    (median of `repeats`), and the size of that request's body.
+
+    The request goes through `SGLangClient.generate` on `transport` to a `DrainingServer`; the
+    bytes are counted once the server has read the whole body and before it answers.
+    """
+    server = DrainingServer()
+
+    async def main() -> list[int]:
+        pool = HttpPool(4, httpx.Timeout(30.0), transport=transport)
+        client = SGLangClient(server.url, pool, RetryPolicy(), vocab_size=200000)
+        ids, held = _Ids(tokens), []
+        try:
+            for n in range(repeats + 1):  # the first request warms what every request shares
+                server.received.clear()
+                gc.collect()
+                tracemalloc.start()
+                before = tracemalloc.get_traced_memory()[0]
+                task = asyncio.ensure_future(client.generate(ids, {}, 8))
+                while not server.received.is_set():
+                    await asyncio.sleep(0.002)
+                if n:
+                    held.append(tracemalloc.get_traced_memory()[0] - before)
+                tracemalloc.stop()
+                server.release.set()
+                reply = await task
+                if getattr(reply, "ids", None) != [5, 6]:
+                    raise RuntimeError(f"the draining server's reply was not read back: {reply}")
+            return held
+        finally:
+            await pool.aclose()
+
+    try:
+        held = asyncio.run(main())
+    finally:
+        server.close()
+    return statistics.median(held), server.body_bytes
+
+
 def list_bytes(ids: list[int], logprobs: list[float], mask: list[int]) -> int:
     """sys.getsizeof of the three lists plus every element object they point to.
 
@@ -82,10 +201,12 @@ def list_bytes(ids: list[int], logprobs: list[float], mask: list[int]) -> int:
 
 
 def memory_figure(sizes: Sizes) -> Figure:
-    """Traced bytes per sample, request body included, against the same per-token data as Python lists."""
+    """Traced bytes per sample plus what its request holds in flight, against the same per-token
+    data as Python lists."""
     cfg = EngineConfig(max_turns=10**6, max_tool_calls=10**6)
     tokens, n = sizes.memory_tokens, sizes.memory_samples
     client = SGLangClient("http://127.0.0.1:1", None, RetryPolicy())  # type: ignore[arg-type]  # bodies only
+    build_sample(cfg, 2 * TURN_TOKENS, client)  # what a first body imports (numpy) is not a sample's
     gc.collect()
     tracemalloc.start()
     try:
@@ -97,22 +218,49 @@ def memory_figure(sizes: Sizes) -> Figure:
         after = tracemalloc.get_traced_memory()[0]
         client._bodies.clear()
         gc.collect()
-        without_body = tracemalloc.get_traced_memory()[0]
+        without_prompt = tracemalloc.get_traced_memory()[0]
         for r in samples:  # what the last turn's scratch (reply, turn text) alone holds
             r.turn = TurnScratch()
         gc.collect()
         without_reply = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
-    per_sample = (after - before) / n
+    transport = resolve_transport(EngineConfig().http_transport)
+    in_flight, body = in_flight_request_bytes(transport, tokens)
+    per_sample = (after - before) / n + in_flight
     one = samples[0]
     traj = one.traj
-    arrays = sum(x.buffer_info()[1] * x.itemsize for x in (traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask))
+    arrays = sum(x.buffer_info()[1] * x.itemsize for x in (traj.prompt_ids, traj.response_ids, traj.logprobs))
     raw = list_bytes(traj.response_ids.tolist(), traj.logprobs.tolist(), traj.loss_mask.tolist())
     return Figure(
-        "memory", f"bytes per in-flight sample, {tokens}-token response, request body included ({n} samples)",
+        "memory", f"bytes per in-flight sample, {tokens}-token response, its request waiting on {transport} ({n} samples)",
         per_sample, "B", float(raw), "ids+logprobs+mask as Python lists", "value", "<=", float(320 << 10), 1,
-        {"array_payload_bytes": arrays, "request_body_bytes": (after - without_body) / n,
-         "last_turn_bytes": (without_body - without_reply) / n,
+        {"array_payload_bytes": arrays, "in_flight_request_bytes": in_flight, "request_body_bytes": body,
+         "encoded_prompt_bytes": (after - without_prompt) / n, "last_turn_bytes": (without_prompt - without_reply) / n,
          "turns": one.turn_count, "bytes_per_token": per_sample / tokens},
+    )
+
+
+def body_figure(tokens: int, rounds: int = 200) -> Figure:
+    """The CPU price of keeping no body between turns: a turn's body for a `tokens`-long response,
+    its prompt already encoded, against extending a kept body (the copy that would cost)."""
+    ids, body = _Ids(tokens), RequestBody()
+    params = {"temperature": 1.0, "max_new_tokens": 1024}
+    kept = body.render(ids.prompt_ids, ids.response_ids, params, 1024)
+    tail = kept[-60:]
+
+    def per_call(fn: Any) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(rounds):
+                fn()
+            times.append((time.perf_counter() - start) / rounds)
+        return statistics.median(times) * 1e6
+
+    made = per_call(lambda: body.render(ids.prompt_ids, ids.response_ids, params, 1024))
+    extended = per_call(lambda: b"".join((memoryview(kept)[:-60], b",7", tail)))
+    return Figure(
+        "memory_body", f"a turn's request body at {tokens} response tokens, made from the arrays (nothing kept)",
+        made, "us", extended, "extending a kept body", None, None, None, 5,
     )
