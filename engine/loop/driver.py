@@ -62,7 +62,7 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
     started = time.perf_counter()
     input_length = r.traj.total_length
     experts_start = r.traj.routed_rows if r.traj.experts is not None else None
-    # The trajectory itself, so the client extends the sample's encoded body instead of re-encoding it.
+    # The trajectory itself, so the client reuses the sample's encoded prompt instead of encoding it again.
     outcome = await rt.client.generate(
         r.traj, r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key,
         routed_experts_start=experts_start,

@@ -13,9 +13,9 @@ import asyncio
 from typing import Any
 
 import tools
+from engine.aio import Gate, within
 from engine.config import EngineConfig
 from engine.profiles.base import CallResult, ToolCall
-from engine.sglang.client import within
 
 TRUNCATION_MARKER = "\n...[tool output truncated: {n} characters dropped]"
 GRACE_SECONDS = 5.0  # tools enforce their own timeout; this is the engine's backstop
@@ -29,7 +29,7 @@ class ToolRunner:
     """Runs calls of every sample of one event loop under one shared concurrency limit."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        self.slots = asyncio.Semaphore(cfg.tool_concurrency)
+        self.slots = Gate(cfg.tool_concurrency)
         self.timeout = cfg.tool_timeout
         self.max_chars = cfg.tool_output_chars
 
@@ -52,9 +52,12 @@ class ToolRunner:
         try:
             schema = tool.schema()["function"]["parameters"]
             arguments = tools.registry.check_arguments(schema, call.arguments)
-            async with self.slots:
+            await self.slots.acquire()
+            try:
                 with tools.registry.call_timeout_set(self.timeout):
                     out = await within(self.timeout + GRACE_SECONDS, tool.execute(session, **arguments))  # no task per call
+            finally:
+                self.slots.release()
         except tools.ToolError as exc:
             return f"Error: {exc.message}", exc.kind
         except tools.ToolUnavailable:

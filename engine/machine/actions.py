@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
-
 from engine.machine.rollout import Rollout, TurnScratch
 from engine.profiles.base import ToolCall
 
@@ -63,7 +61,7 @@ def append_model_turn(r: Rollout) -> None:
     _log_turn(r)
     # The trajectory holds the turn now. The reply's boxed ids and logprobs (~64 bytes a token)
     # would otherwise stay until the next turn; only its verdict (finish, problem) is read again.
-    r.turn.reply = attrs.evolve(reply, ids=[], logprobs=[], top_p=None, routed_experts=None)
+    r.turn.reply = reply.without_tokens()
 
 
 def record_unusable_reply(r: Rollout) -> None:

@@ -101,6 +101,16 @@ class LossMask:
     def __repr__(self) -> str:
         return f"LossMask(length={self._length}, ones={list(self.runs())})"
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LossMask):
+            return NotImplemented
+        return self._length == other._length and self._bounds == other._bounds
+
+    __hash__ = None  # type: ignore[assignment]  # it changes
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
     def runs(self) -> Iterator[tuple[int, int]]:
         """The `(start, end)` spans of ones, in order."""
         b = self._bounds

@@ -35,12 +35,13 @@ import ssl
 import sys
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import attrs
 import httpx
 
+from engine.aio import Gate, within
 from engine.config import HTTP_TRANSPORTS as TRANSPORTS
 from engine.config import EngineConfig, RetryPolicy
 from engine.sglang.http1 import (
@@ -75,7 +76,6 @@ PROBE_TIMEOUT = 5.0  # seconds for all model-info requests at start-up
 INFO_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
 VOCAB_PADDING = 1024  # embeddings are padded past the tokenizer (Qwen3: 267 ids); more means another model
 
-T = TypeVar("T")
 
 
 def _declared_length(headers: Any) -> int | None:
@@ -93,15 +93,6 @@ async def _read_capped(chunks: Any, status: int, limit: int) -> bytes:
             raise ReplyTooLarge(status, limit)
         parts.append(chunk)
     return b"".join(parts)
-
-
-async def within(seconds: float, awaitable: Awaitable[T]) -> T:
-    """Await with one deadline for all of it; raises `TimeoutError` when it passes."""
-    timeout = getattr(asyncio, "timeout", None)
-    if timeout is None:  # Python 3.10
-        return await asyncio.wait_for(awaitable, seconds)
-    async with timeout(seconds):
-        return await awaitable
 
 
 def respx_active() -> bool:
@@ -174,7 +165,7 @@ class HttpPool:
             self.shards = [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=tls)
                            for _ in range(count)]
         self._free = [i for i in range(len(self.shards)) for _ in range(per_shard)]  # one entry per connection
-        self._gate = asyncio.Semaphore(len(self._free))
+        self._gate = Gate(len(self._free))
         if self.transport in ("aiohttp", "aiohttp_direct"):
             import aiohttp  # noqa: F401  # loaded now, so its errors are among the transient ones
         self._errors = _transient_errors()
@@ -187,26 +178,27 @@ class HttpPool:
         at a time never trips them). Raises `RequestTimeout` when it passes, and `ReplyTooLarge`
         when the body declares or runs past `max_body` bytes (nothing more of it is read).
         """
-        async with self._gate:
-            shard = self._free.pop()  # the gate guarantees one; LIFO reuses warm connections
+        await self._gate.acquire()
+        shard = self._free.pop()  # the gate guarantees one; LIFO reuses warm connections
+        try:
+            client = self.shards[shard]
+            if isinstance(client, AsyncioClient):  # bounds the request itself: no timeout scope around it
+                return await client.request(method, url, max_body=self.max_body, limit=limit, **kwargs)
+            if callable(kwargs.get("content")):  # these clients hold the bytes while the request runs
+                kwargs["content"] = kwargs["content"]()
+            if isinstance(client, DirectClient):
+                send = client.request(method, url, max_body=self.max_body, **kwargs)
+            else:
+                send = _httpx_request(client, method, url, self.max_body, **kwargs)
+            if limit is None:
+                return await send
             try:
-                client = self.shards[shard]
-                if isinstance(client, AsyncioClient):  # bounds the request itself: no timeout scope around it
-                    return await client.request(method, url, max_body=self.max_body, limit=limit, **kwargs)
-                if callable(kwargs.get("content")):  # these clients hold the bytes while the request runs
-                    kwargs["content"] = kwargs["content"]()
-                if isinstance(client, DirectClient):
-                    send = client.request(method, url, max_body=self.max_body, **kwargs)
-                else:
-                    send = _httpx_request(client, method, url, self.max_body, **kwargs)
-                if limit is None:
-                    return await send
-                try:
-                    return await within(max(limit, 0.0), send)
-                except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
-                    raise RequestTimeout.after(limit) from None
-            finally:
-                self._free.append(shard)
+                return await within(max(limit, 0.0), send)
+            except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
+                raise RequestTimeout.after(limit) from None
+        finally:
+            self._free.append(shard)
+            self._gate.release()
 
     async def post(self, url: str, *, limit: float | None = None, **kwargs: Any) -> RawResponse:
         """POST through `request`."""
@@ -435,7 +427,7 @@ class SGLangClient:
         if budget <= 0:
             return _Transient("no time left for another attempt")
         try:
-            response = await self.http.post(self.url, content=body, headers=headers, limit=budget)
+            response = await self.http.request("POST", self.url, content=body, headers=headers, limit=budget)
         except self.http.transient_errors as exc:  # connect, read, write, pool, protocol, timeouts
             return _Transient(f"{type(exc).__name__}: {exc}")
         except ReplyTooLarge as exc:  # the same request would get the same reply: not retried

@@ -263,13 +263,13 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
             self.transport = None
 
-    async def exchange(self, data: BodySource, max_body: int, deadline: float | None, limit: float | None) -> _Reply:
-        """Write one request (`data()` makes its bytes), wait for its whole reply; `RequestTimeout`
-        at `deadline` (loop time).
+    async def exchange(self, pending: list[bytes], max_body: int, deadline: float | None, limit: float | None) -> _Reply:
+        """Write one request (taken out of `pending`, so no frame keeps it), wait for its whole
+        reply; `RequestTimeout` at `deadline` (loop time).
 
-        The bytes are made here and held by nothing once written: the transport keeps only what
-        the socket did not take at once, until it drains. The deadline is one timer on the loop
-        that fails the wait, cheaper per request than a timeout scope around it.
+        Once written, the bytes are the transport's alone, until the socket has taken them all.
+        The deadline is one timer on the loop that fails the wait, cheaper per request than a
+        timeout scope around it.
         """
         assert self.transport is not None
         self.max_body = max_body
@@ -280,10 +280,11 @@ class Connection(asyncio.Protocol):
         self.waiter = loop.create_future()
         timer = loop.call_at(deadline, self._expire, limit) if deadline is not None else None
         try:
-            self.transport.write(data())
+            self.transport.write(pending.pop())
             return await self.waiter
         finally:
             self.waiter = None
+            self.reply = None  # an idle connection keeps no reply body
             if timer is not None:
                 timer.cancel()
 
@@ -468,13 +469,14 @@ class AsyncioClient:
                     limit: float | None) -> _Reply:
         """One exchange; once again on a fresh connection when a reused one was dropped before replying."""
         for fresh in (False, True):
+            pending = [data()]  # made before a connection is taken: a body that cannot be made costs none
             conn = None if fresh else self._checkout(origin)
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(origin, deadline, limit)
             done = False
             try:
-                reply = await conn.exchange(data, max_body, deadline, limit)
+                reply = await conn.exchange(pending, max_body, deadline, limit)
                 done = True
             except httpx.ReadError:
                 if reused and not conn.answered:  # the keep-alive race: not a byte came, try a new one

@@ -160,7 +160,8 @@ def test_a_loss_mask_behaves_as_the_list_it_stands_for(ops, a, b):
         assert len(mask) == len(model)
         assert mask.tolist() == model
     assert mask.any_in(a, b) == any(model[a:b])
-    assert LossMask.of(model).tolist() == model
+    assert LossMask.of(model).tolist() == model == list(mask)
+    assert LossMask.of(model) == mask and (LossMask.of([*model, 1]) != mask)
     runs = list(mask.runs())
     assert all(e1 < s2 for (_, e1), (s2, _) in zip(runs, runs[1:]))  # sorted and apart
     assert all(s < e for s, e in runs)

@@ -8,6 +8,7 @@ run this client too; here are the cases only a hand-written client can get wrong
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -17,6 +18,7 @@ from engine.local.bench.memory import in_flight_request_bytes
 from engine.sglang.client import HttpPool, ReplyTooLarge
 from engine.sglang.http1 import MAX_HEAD, AsyncioClient, RequestTimeout
 
+HAVE_AIOHTTP = importlib.util.find_spec("aiohttp") is not None
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]  # False: close after
 
 
@@ -129,6 +131,33 @@ def test_the_race_where_the_server_closes_as_the_request_goes_out_is_retried_onc
             assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
             await c.aclose()
         assert server.connections == 2 and len(server.requests) == 3
+
+    run(go())
+
+
+def test_a_body_source_is_made_for_each_write_and_a_source_that_fails_costs_no_connection() -> None:
+    made: list[int] = []
+
+    def source() -> bytes:
+        made.append(len(made))
+        return b'{"n": %d}' % len(made)
+
+    def broken() -> bytes:
+        raise TypeError("not JSON")
+
+    async def go() -> None:
+        async with RawServer(second_request_gets(b"")) as server:  # the race on the reused connection
+            c = client()
+            assert (await c.request("POST", server.url, content=source)).status_code == 200
+            with pytest.raises(TypeError):
+                await c.request("POST", server.url, content=broken)
+            assert (await c.request("POST", server.url, content=source)).status_code == 200  # raced, then resent
+            assert (await c.request("POST", server.url, content=lambda: b"")).status_code == 200
+            await c.aclose()
+        assert made == [0, 1, 2]  # the resend made its body again
+        assert [body for _, body in server.requests] == [b'{"n": 1}', b'{"n": 2}', b'{"n": 3}', b""]
+        assert server.connections == 2  # the failed source did not cost the kept-alive connection
+        assert b"\r\nContent-Length: 0\r\n" in server.requests[-1][0]
 
     run(go())
 
@@ -292,6 +321,23 @@ def test_json_bodies_event_hooks_and_the_pool_on_this_transport() -> None:
     assert seen[0].startswith("POST /generate {") and seen[1] == "200 {}"
 
 
+def test_event_hooks_see_the_bytes_of_a_body_source() -> None:
+    seen: list[bytes] = []
+
+    async def on_request(request: httpx.Request) -> None:
+        seen.append(request.content)
+
+    async def go() -> None:
+        async with RawServer(reply(OK)) as server:
+            c = client()
+            c.event_hooks["request"].append(on_request)
+            assert (await c.request("POST", server.url, content=lambda: b'{"x": 1}')).status_code == 200
+            await c.aclose()
+        assert seen == [b'{"x": 1}'] and server.requests[0][1] == b'{"x": 1}'
+
+    run(go())
+
+
 def test_a_million_tiny_chunks_are_read_into_one_buffer_and_capped_by_their_bytes() -> None:
     chunks = b"1\r\nx\r\n" * 50_000
     raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
@@ -375,6 +421,7 @@ def test_a_sample_waiting_for_its_reply_holds_none_of_its_request_body() -> None
     assert held < sent // 8, f"{held} bytes held while waiting, of a {sent}-byte body"
 
 
+@pytest.mark.skipif(not HAVE_AIOHTTP, reason="aiohttp (the `fast` extra) is not installed")
 def test_the_other_transports_hold_the_body_while_waiting() -> None:
     held, sent = in_flight_request_bytes("aiohttp_direct", repeats=1)
     assert held > sent  # what the asyncio client's body source saves, measured the same way

@@ -75,7 +75,7 @@ def test_respx_mocked_samples_work_with_httpx_and_with_auto(fake_interpreter, tr
         run(slime.generate(make_args(engine_http_transport=transport), sample, dict(SAMPLING)))
     assert sample.status == Sample.Status.COMPLETED and len(server.requests) == 2
     first, second = server.requests
-    assert second["input_ids"][: len(first["input_ids"])] == first["input_ids"]  # the body was extended
+    assert second["input_ids"][: len(first["input_ids"])] == first["input_ids"]  # the second turn continues the first
 
 
 def test_one_client_for_the_direct_transports_but_many_small_httpx_ones() -> None:
@@ -118,3 +118,48 @@ def test_httpx_event_hooks_see_every_request_and_reply_on_the_direct_transports(
 
     asyncio.run(go())
     assert seen == [("request", b"{}"), ("response", (200, b'{"a": 1}', "v"))]
+
+
+# -- the pool's gate: at most n requests at once, waiters in order, no slot lost to a cancel ------
+def test_the_gate_bounds_holders_serves_waiters_in_order_and_loses_no_slot_to_a_cancel() -> None:
+    from engine.aio import Gate
+
+    async def main() -> None:
+        gate, order, holding = Gate(2), [], 0
+        most = 0
+
+        async def hold(name: str, seconds: float) -> None:
+            nonlocal holding, most
+            await gate.acquire()
+            try:
+                holding += 1
+                most = max(most, holding)
+                order.append(name)
+                await asyncio.sleep(seconds)
+            finally:
+                holding -= 1
+                gate.release()
+
+        await asyncio.gather(*(hold(str(i), 0.01) for i in range(6)))
+        assert most == 2 and order == [str(i) for i in range(6)]  # FIFO beyond the first two
+
+        # A waiter cancelled while it waits gives its place up.
+        one = Gate(1)
+        await one.acquire()
+        waiting = asyncio.ensure_future(one.acquire())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        one.release()
+        await asyncio.wait_for(one.acquire(), 1)  # the slot came back, not to the cancelled waiter
+
+        # A waiter cancelled just after it was handed the slot passes it on.
+        handed = asyncio.ensure_future(one.acquire())
+        await asyncio.sleep(0)
+        one.release()  # the slot goes to `handed`, which has not run yet
+        handed.cancel()
+        await asyncio.gather(handed, return_exceptions=True)
+        assert handed.cancelled()
+        await asyncio.wait_for(one.acquire(), 1)  # not lost with the cancelled task
+
+    asyncio.run(main())

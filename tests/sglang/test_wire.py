@@ -186,6 +186,15 @@ def test_each_turns_body_equals_one_built_from_scratch_with_the_prompt_encoded_o
     assert body.prompt_encodings == 1
 
 
+def test_a_reply_without_tokens_keeps_its_verdict() -> None:
+    import attrs
+
+    full = wire.Reply(ids=[1, 2], logprobs=[-0.5, -0.25], finish="stop", finish_detail="</code>", problem="p",
+                      problem_detail="d", weight_version="w", top_p=([1], [0, 1, 1]), routed_experts=b"\0" * 8,
+                      routed_experts_start_len=3, stats={"cached_tokens": 4})
+    assert full.without_tokens() == attrs.evolve(full, ids=[], logprobs=[], top_p=None, routed_experts=None)
+
+
 def test_a_body_follows_a_trimmed_response_and_a_new_prompt() -> None:
     t, body = Traj([1, 2, 3], [4, 5]), RequestBody()
     body.render(t.prompt_ids, t.response_ids, {}, None)
@@ -219,7 +228,7 @@ def test_a_body_keeps_no_response_bytes_between_turns() -> None:
     assert held < 1000  # the prompt's ten ids, not the 32k of the response
 
 
-def test_the_client_extends_each_samples_own_body() -> None:
+def test_the_client_keeps_each_samples_own_prompt_encoded() -> None:
     from engine.config import RetryPolicy
     from engine.sglang.client import SGLangClient
 

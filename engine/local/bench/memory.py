@@ -61,7 +61,7 @@ def build_sample(cfg: EngineConfig, tokens: int, client: SGLangClient | None = N
     """One rollout holding a `tokens`-long response, built through the engine's actions.
 
     With a `client`, every turn's request body is built as the driver has it built, so the
-    client keeps the sample's last body, as between two turns of a real rollout.
+    client keeps what it keeps for a sample between two turns of a real rollout (its prompt, encoded).
     """
     r = Rollout(Inputs(cfg, prompt="p", sampling_params={"max_new_tokens": TURN_TOKENS}, allowed_tools=frozenset({"code_interpreter"})))
     r.prompt_ids = PROMPT_IDS
@@ -168,7 +168,11 @@ def in_flight_request_bytes(transport: str, tokens: int = 32768, repeats: int = 
                 tracemalloc.start()
                 before = tracemalloc.get_traced_memory()[0]
                 task = asyncio.ensure_future(client.generate(ids, {}, 8))
+                waited = time.perf_counter()
                 while not server.received.is_set():
+                    if task.done() or time.perf_counter() - waited > 30:
+                        task.cancel()
+                        raise RuntimeError(f"the request never reached the draining server: {task}")
                     await asyncio.sleep(0.002)
                 if n:
                     held.append(tracemalloc.get_traced_memory()[0] - before)
