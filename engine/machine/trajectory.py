@@ -14,7 +14,8 @@ when handed to slime.
 Logprobs are held as float32 while every value the server sent is one exactly (SGLang's
 are: its logprobs are float32 tensors made Python floats), so slime gets back the very
 numbers the server sent (I4). The first value float32 cannot hold turns the array to
-float64 for the rest of the sample. Fingerprints read logprobs as float64 either way.
+float64 for the rest of the sample. A model segment's fingerprint reads them as stored (and is
+taken again when the storage widens); a checkpoint's reads them as float64 either way.
 
 Routed experts are rows of `num_layers x topk` int32, one per token of the whole sequence
 (prompt included) except the last, kept as raw bytes (48 layers x top-8 is 1.5 KB a token).
@@ -48,7 +49,7 @@ class InvariantViolation(Exception):
 
 
 def as_float64(logprobs: array) -> array:
-    """Logprobs as float64, the form every fingerprint reads (storage may be float32)."""
+    """Logprobs as float64, the form a checkpoint's fingerprint reads (storage may be float32)."""
     return logprobs if logprobs.typecode == "d" else array("d", logprobs)
 
 
@@ -67,8 +68,12 @@ def narrowed(logprobs: array) -> array:
 
 
 def _digest(ids: array, logprobs: array) -> int:
-    """A cheap fingerprint of a model segment, so `check(full=True)` can prove I4."""
-    return zlib.crc32(as_float64(logprobs).tobytes(), zlib.crc32(ids.tobytes()))
+    """A cheap fingerprint of a model segment, so `check(full=True)` can prove I4.
+
+    It reads the logprobs as stored (float32 or float64: no conversion a turn), so a
+    trajectory that widens its storage fingerprints its model segments again (`_widen`).
+    """
+    return zlib.crc32(logprobs.tobytes(), zlib.crc32(ids.tobytes()))
 
 
 class LossMask:
@@ -254,14 +259,15 @@ class Trajectory:
     ) -> Trajectory:
         """Rebuild a trajectory from a validated checkpoint (partial rollout).
 
-        Model segments get their fingerprints from the given ids and logprobs: the caller
-        has already proved those are the ones the checkpoint was written for.
+        Model segments get their fingerprints from the given ids and logprobs (as stored): the
+        caller has already proved those are the ones the checkpoint was written for.
         """
         t = cls(array("i", prompt_ids), ids, narrowed(logprobs), loss_mask, expert_row_bytes=expert_row_bytes)
         if expert_row_bytes:
             t.experts = bytearray(experts or b"")
+        lps = t.logprobs
         t.segments = [
-            attrs.evolve(s, digest=_digest(ids[s.start : s.end], logprobs[s.start : s.end]) if s.kind == "model" else 0)
+            attrs.evolve(s, digest=_digest(ids[s.start : s.end], lps[s.start : s.end]) if s.kind == "model" else 0)
             for s in segments
         ]
         if top_p is not None:
@@ -372,8 +378,22 @@ class Trajectory:
             narrow = _float32_exact(values)
             if narrow is not None:
                 return narrow
-            self.logprobs = array("d", self.logprobs)  # exact as float64: they were float32 values
+            self._widen()
         return array("d", values)
+
+    def _widen(self) -> None:
+        """Store logprobs as float64 from now on (exactly: they were float32 values), and
+        fingerprint each model segment again, from the new storage, only if it still matches
+        its old fingerprint: one that does not stays wrong, so `check(full=True)` reports it."""
+        wide = array("d", self.logprobs)
+        segments = []
+        for seg in self.segments:
+            if seg.kind == "model":
+                ids = self.response_ids[seg.start : seg.end]
+                if _digest(ids, self.logprobs[seg.start : seg.end]) == seg.digest:
+                    seg = attrs.evolve(seg, digest=_digest(ids, wide[seg.start : seg.end]))
+            segments.append(seg)
+        self.logprobs, self.segments = wide, segments
 
     def _extend(self, ids: array, logprobs: array, mask: int) -> None:
         self.response_ids.extend(ids)

@@ -269,6 +269,17 @@ def test_a_value_float32_cannot_hold_turns_the_storage_to_float64_keeping_every_
     t.check(full=True)
 
 
+def test_a_turn_changed_before_the_storage_widens_is_still_caught_after():
+    t = Trajectory()
+    t.reset([1])
+    t.append_model_turn([5, 6], array("f", [-0.5, -0.25]).tolist())
+    t.logprobs[1] = -0.75  # a bug changes a stored float32 value
+    t.append_model_turn([8], [-0.1])  # widens: fingerprints are taken again, but not for the changed turn
+    assert t.logprobs.itemsize == 8
+    with pytest.raises(InvariantViolation, match="I4"):
+        t.check(full=True)
+
+
 @pytest.mark.parametrize("values", [array("f", [-0.5, -0.1]).tolist(), [-0.5, -0.1]], ids=["float32", "float64"])
 def test_a_checkpoint_restores_either_storage_exactly(values):
     from engine.machine import checkpoint
