@@ -63,6 +63,7 @@ from engine.sglang.wire import (
     is_context_error,
     loads,
     parse_reply,
+    prepare_encoder,
     retry_after_seconds,
 )
 
@@ -348,6 +349,7 @@ class SGLangClient:
         self._vocab: int | None = vocab_size
         self._vocab_checked = False
         self._vocab_probe: asyncio.Future[int | None] | None = None
+        prepare_encoder()
         # One encoded prompt per sample, kept with its trajectory and gone with it.
         self._bodies: weakref.WeakKeyDictionary[Any, RequestBody] = weakref.WeakKeyDictionary()
 

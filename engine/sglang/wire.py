@@ -146,6 +146,12 @@ _NUMPY_FROM = 512  # ids; below this a list is as quick as the view's set-up
 _numpy_view: Any = False  # not looked for yet; None when numpy or orjson is absent
 
 
+def prepare_encoder() -> None:
+    """Import what body encoding uses (numpy) now, at start-up, not inside the first long turn's
+    request (importing numpy takes ~0.1 s, a stall of every sample in flight)."""
+    _numpy_int32()
+
+
 def _numpy_int32() -> Any:
     """A function viewing an int32 `array` as a numpy array, or None; numpy is imported on first use."""
     global _numpy_view
