@@ -32,6 +32,7 @@ import zlib
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from typing import Literal
 
 import attrs
@@ -185,9 +186,10 @@ class Segment:
 class Trajectory:
     """Prompt ids plus the aligned per-token arrays of the response."""
 
-    prompt_ids: array = attrs.field(factory=lambda: array("i"))
-    response_ids: array = attrs.field(factory=lambda: array("i"))
-    logprobs: array = attrs.field(factory=lambda: array("f"))  # float32 while exact; see the module docstring
+    # functools.partial, not a lambda: a factory in C, so a new sample runs no Python frame for it.
+    prompt_ids: array = attrs.field(factory=partial(array, "i"))
+    response_ids: array = attrs.field(factory=partial(array, "i"))
+    logprobs: array = attrs.field(factory=partial(array, "f"))  # float32 while exact; see the module docstring
     loss_mask: LossMask = attrs.field(factory=LossMask)
     segments: list[Segment] = attrs.field(factory=list)
     # Top-p replay (slime's rollout_top_p_token_ids/offsets): token i's kept ids are
