@@ -1,0 +1,93 @@
+"""engine.aio: `within` (one deadline, as `asyncio.timeout` does it) and `Gate` (a cheap semaphore)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.aio import Gate, within
+
+
+def test_within_returns_the_result_or_raises_timeout_and_leaves_no_cancel_behind() -> None:
+    async def main() -> None:
+        assert await within(1.0, asyncio.sleep(0.01, result=5)) == 5
+        with pytest.raises(TimeoutError):
+            await within(0.02, asyncio.sleep(5))
+        assert asyncio.current_task().cancelling() == 0  # the deadline's cancel was taken back
+        with pytest.raises(TimeoutError):  # nested: the inner deadline is the one that fires
+            await within(1.0, within(0.02, asyncio.sleep(5)))
+        with pytest.raises(TimeoutError):  # nested: the outer one fires through the inner
+            await within(0.02, within(1.0, asyncio.sleep(5)))
+        assert asyncio.current_task().cancelling() == 0
+
+        async def stubborn() -> str:  # answers the cancel with a result
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                return "kept"
+            return "slept"
+
+        assert await within(0.02, stubborn()) == "kept"
+        assert asyncio.current_task().cancelling() == 0  # taken back even though no cancel came out
+        await asyncio.sleep(0.01)  # and the task still runs: no cancel was left pending
+
+    asyncio.run(main())
+
+
+def test_within_leaves_a_cancel_from_elsewhere_a_cancel_even_when_its_deadline_fires_too() -> None:
+    async def cancelled_at(cancel_after: float, deadline: float) -> None:
+        asyncio.get_running_loop().call_later(cancel_after, asyncio.current_task().cancel)
+        await within(deadline, asyncio.sleep(5))
+
+    async def main() -> None:
+        for cancel_after, deadline in ((0.02, 1.0), (0.03, 0.03)):
+            task = asyncio.ensure_future(cancelled_at(cancel_after, deadline))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert task.cancelled()
+
+    asyncio.run(main())
+
+
+# -- the pool's gate: at most n requests at once, waiters in order, no slot lost to a cancel ------
+def test_the_gate_bounds_holders_serves_waiters_in_order_and_loses_no_slot_to_a_cancel() -> None:
+    async def main() -> None:
+        gate, order, holding = Gate(2), [], 0
+        most = 0
+
+        async def hold(name: str, seconds: float) -> None:
+            nonlocal holding, most
+            await gate.acquire()
+            try:
+                holding += 1
+                most = max(most, holding)
+                order.append(name)
+                await asyncio.sleep(seconds)
+            finally:
+                holding -= 1
+                gate.release()
+
+        await asyncio.gather(*(hold(str(i), 0.01) for i in range(6)))
+        assert most == 2 and order == [str(i) for i in range(6)]  # FIFO beyond the first two
+
+        # A waiter cancelled while it waits gives its place up.
+        one = Gate(1)
+        await one.acquire()
+        waiting = asyncio.ensure_future(one.acquire())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        one.release()
+        await asyncio.wait_for(one.acquire(), 1)  # the slot came back, not to the cancelled waiter
+
+        # A waiter cancelled just after it was handed the slot passes it on.
+        handed = asyncio.ensure_future(one.acquire())
+        await asyncio.sleep(0)
+        one.release()  # the slot goes to `handed`, which has not run yet
+        handed.cancel()
+        await asyncio.gather(handed, return_exceptions=True)
+        assert handed.cancelled()
+        await asyncio.wait_for(one.acquire(), 1)  # not lost with the cancelled task
+
+    asyncio.run(main())
