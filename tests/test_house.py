@@ -115,7 +115,7 @@ def test_tools_knows_nothing_of_the_engine() -> None:
 
 
 @pytest.mark.parametrize("module, expected", [
-    (engine, ["EngineConfig", "InvariantViolation", "MachineSpec", "RetryPolicy", "Rollout", "Runtime", "State",
+    (engine, ["EngineConfig", "InvariantViolation", "LossMask", "MachineSpec", "RetryPolicy", "Rollout", "Runtime", "State",
               "Trajectory", "Trigger", "drive", "get_machine", "new_rollout"]),
     (tools, ["Tool", "ToolError", "ToolResult", "ToolUnavailable", "call_timeout", "count", "get", "names", "register", "tool"]),
 ])

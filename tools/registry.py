@@ -151,6 +151,9 @@ def schema_from_signature(fn: Callable[..., Any]) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": required}
 
 
+_TYPE_CHECKS = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+
+
 def check_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
     """Validate call arguments against the schema's names and basic types; raise ToolError."""
     if not isinstance(arguments, dict):
@@ -162,7 +165,7 @@ def check_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
     unknown = [n for n in arguments if props and n not in props]
     if unknown:
         raise ToolError("bad_arguments", f"unknown argument(s): {', '.join(unknown)}")
-    checks = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+    checks = _TYPE_CHECKS
     for name, value in arguments.items():
         expected = props.get(name, {}).get("type")
         ok = expected not in checks or (isinstance(value, checks[expected]) and not (expected in ("integer", "number") and isinstance(value, bool)))
