@@ -165,10 +165,9 @@ def check_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
     unknown = [n for n in arguments if props and n not in props]
     if unknown:
         raise ToolError("bad_arguments", f"unknown argument(s): {', '.join(unknown)}")
-    checks = _TYPE_CHECKS
     for name, value in arguments.items():
         expected = props.get(name, {}).get("type")
-        ok = expected not in checks or (isinstance(value, checks[expected]) and not (expected in ("integer", "number") and isinstance(value, bool)))
+        ok = expected not in _TYPE_CHECKS or (isinstance(value, _TYPE_CHECKS[expected]) and not (expected in ("integer", "number") and isinstance(value, bool)))
         if not ok:
             raise ToolError("bad_arguments", f"argument {name!r} must be of type {expected}")
     return arguments

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 import tools
+from engine.aio import Gate
 from engine.config import EngineConfig
 from engine.loop.abort import AbortSignal
 from engine.loop.tool_calls import ToolRunner
@@ -40,7 +41,7 @@ class Runtime:
     abort_check: Callable[[], bool] | None = None  # the caller's own flag (slime's, via the adapter)
     # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
     # between every few dozen of them instead of after thousands.
-    start_gate: asyncio.Semaphore = attrs.field(factory=lambda: asyncio.Semaphore(START_GATE))
+    start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
     _prompts: OrderedDict[tuple[str, frozenset[str], str, int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
@@ -178,15 +179,18 @@ class InFlight:
 
     __slots__ = ("gate", "deferred")
 
-    def __init__(self, gate: asyncio.Semaphore, deferred: bool) -> None:
+    def __init__(self, gate: Gate, deferred: bool) -> None:
         self.gate, self.deferred = gate, deferred
 
     async def __aenter__(self) -> None:
         if self.deferred:
             full_collections.enter()
         try:
-            async with self.gate:
+            await self.gate.acquire()
+            try:
                 await asyncio.sleep(0)
+            finally:
+                self.gate.release()
         except BaseException:  # cancelled while waiting to start
             if self.deferred:
                 full_collections.exit()

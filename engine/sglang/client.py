@@ -51,6 +51,7 @@ from engine.sglang.http1 import (
     RawResponse,
     ReplyTooLarge,
     RequestTimeout,
+    declared_length,
     json_body,
     request_hooks,
     response_hooks,
@@ -77,12 +78,6 @@ PROBE_TIMEOUT = 5.0  # seconds for all model-info requests at start-up
 INFO_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
 VOCAB_PADDING = 1024  # embeddings are padded past the tokenizer (Qwen3: 267 ids); more means another model
 
-
-
-def _declared_length(headers: Any) -> int | None:
-    value = headers.get("content-length")
-    text = value.strip() if value is not None else ""
-    return int(text) if text.isascii() and text.isdigit() else None  # "²" is a digit to str.isdigit
 
 
 async def _read_capped(chunks: Any, status: int, limit: int) -> bytes:
@@ -225,7 +220,7 @@ async def _httpx_request(client: httpx.AsyncClient, method: str, url: str, max_b
     """`client.request`, reading the body as a stream that stops at `max_body` bytes (decoded)."""
     response = await client.send(client.build_request(method, url, **kwargs), stream=True)
     try:
-        declared = _declared_length(response.headers)
+        declared = declared_length(response.headers.get("content-length"))
         if declared is not None and declared > max_body:
             raise ReplyTooLarge(response.status_code, max_body, declared)
         body = await _read_capped(response.aiter_bytes(), response.status_code, max_body)

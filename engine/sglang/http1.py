@@ -289,6 +289,13 @@ class Connection(asyncio.Protocol):
                 timer.cancel()
 
 
+def declared_length(value: str | None) -> int | None:
+    """A Content-Length value as a number, or None unless it is ASCII digits (at most 18):
+    `str.isdigit` takes "²" too, and `int` then raises."""
+    text = value.strip() if value is not None else ""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
 def _parse_head(head: bytes, max_body: int) -> _Reply:
     """Status line and headers; the body's framing; `ReplyTooLarge` for a declared length past the cap."""
     lines = head.split(b"\r\n")
@@ -324,9 +331,9 @@ def _parse_head(head: bytes, max_body: int) -> _Reply:
             keep_alive = False
     elif "content-length" in headers:
         value = headers["content-length"]
-        if not (value.isascii() and value.isdigit()) or len(value) > 18:
+        length = declared_length(value)
+        if length is None:
             raise httpx.RemoteProtocolError(f"bad Content-Length {value[:30]!r}")
-        length = int(value)
         if length > max_body:
             raise ReplyTooLarge(status, max_body, length)
     else:

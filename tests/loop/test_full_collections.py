@@ -66,15 +66,16 @@ def test_the_drain_collects_only_when_a_full_collection_is_due_and_says_when() -
 def test_samples_handed_over_together_start_a_few_per_event_loop_turn_with_full_collections_deferred() -> None:
     import asyncio
 
+    from engine.aio import Gate
     from engine.config import EngineConfig
     from engine.loop import runtime
 
     class Stub:  # the two fields `in_flight` reads
         cfg = EngineConfig()
-        start_gate = asyncio.Semaphore(runtime.START_GATE)
+        start_gate = Gate(runtime.START_GATE)
 
     async def go() -> tuple[list[int], bool]:
-        Stub.start_gate = asyncio.Semaphore(runtime.START_GATE)
+        Stub.start_gate = Gate(runtime.START_GATE)
         started: list[int] = []
         deferred_before_start = []
 

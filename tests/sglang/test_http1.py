@@ -406,12 +406,13 @@ def test_reply_headers_answer_in_any_case() -> None:
     run(go())
 
 
-def test_the_other_transports_read_only_ascii_digits_as_a_declared_length() -> None:
-    from engine.sglang.client import _declared_length
+def test_every_transport_reads_only_ascii_digits_as_a_declared_length() -> None:
+    from engine.sglang.http1 import declared_length
 
-    assert _declared_length({"content-length": " 12 "}) == 12
-    assert _declared_length({"content-length": "\u00b2"}) is None  # a digit to str.isdigit, not to int()
-    assert _declared_length({}) is None
+    assert declared_length(" 12 ") == 12
+    assert declared_length("\u00b2") is None  # a digit to str.isdigit, not to int()
+    assert declared_length(None) is None
+    assert declared_length("9" * 19) is None
 
 
 # -- memory: a request waiting for its reply holds none of its body ------------------------------
