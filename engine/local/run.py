@@ -172,7 +172,7 @@ def check_output(path: str, input_path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise UsageError(f"--output {path}: the directory {parent} does not exist")
-    if os.path.exists(path) and os.path.samefile(path, input_path):
+    if os.path.exists(path) and os.path.exists(input_path) and os.path.samefile(path, input_path):
         raise UsageError(f"--output {path}: is the input file; give another name")
     try:
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".fsm-rollout-write-test-"):

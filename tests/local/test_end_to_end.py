@@ -92,6 +92,14 @@ def test_bad_input_lines_and_overlong_prompts_are_recorded_per_sample(server: Ba
     assert got[3]["status"] == "truncated" and got[3]["metadata"]["fsm"]["termination_reason"] == "prompt_over_budget"
 
 
+def test_a_missing_input_says_so_when_the_output_file_already_exists(tmp_path: Path, monkeypatch, capsys) -> None:
+    # The README's first command leaves samples.jsonl (the default output) in the working directory.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "samples.jsonl").write_text("")
+    assert main_run(cli("--input", str(tmp_path / "nope.jsonl"), "--server", "http://127.0.0.1:9")) == 2
+    assert "no such input file" in capsys.readouterr().err
+
+
 def test_missing_file_and_unreachable_server_say_so(tmp_path: Path, capsys) -> None:
     assert main_run(cli("--input", str(tmp_path / "nope.jsonl"), "--server", "http://127.0.0.1:9")) == 2
     assert "no such input file" in capsys.readouterr().err
