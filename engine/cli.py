@@ -189,7 +189,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0, help="seed of the fault sequence")
     soak.add_argument("--json", action="store_true", help="machine-readable output")
 
-    attacks = command("attacks", _lazy("tools.sandbox.attacks.suite:main_attacks"), "run the sandbox attack suite and print what was contained")
+    attacks = command("attacks", _lazy("engine.tools.sandbox.attacks.suite:main_attacks"), "run the sandbox attack suite and print what was contained")
     attacks.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 

@@ -341,7 +341,7 @@ class EngineConfig:
     moe_router_topk: int = attrs.field(default=0, validator=_non_negative)
     fully_async: bool = False  # slime's fully-async worker is the caller: it re-queues ABORTED groups
     # Where sandboxed tool code runs: "local" (this machine) or "ray" (a pool of workers on the
-    # Ray cluster; see tools.sandbox.backend). The ray_* settings size and place that pool.
+    # Ray cluster; see engine.tools.sandbox.backend). The ray_* settings size and place that pool.
     sandbox_backend: str = attrs.field(default="local")
     sandbox_workers: int = attrs.field(default=4, validator=_positive)
     sandbox_worker_cpus: float = attrs.field(default=1.0, validator=_positive)
@@ -350,7 +350,7 @@ class EngineConfig:
 
     @sandbox_backend.validator
     def _check_sandbox_backend(self, attribute: Any, value: str) -> None:
-        from tools.sandbox.backend import check_backend  # refuses "ray" where ray is not installed
+        from engine.tools.sandbox.backend import check_backend  # refuses "ray" where ray is not installed
 
         check_backend(value)
 

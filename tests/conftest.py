@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-import tools
+from engine import tools
 from engine.machine import RolloutMachine
 
 TAKEN_EDGES: set[tuple[str, str, str]] = set()

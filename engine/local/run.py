@@ -231,7 +231,7 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
     """Import the tool modules, check the tool names; returns the tools offered."""
     import importlib
 
-    import tools
+    from engine import tools
 
     for module in cfg.tool_modules:
         try:

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import httpx
 
-import tools
+from engine import tools
 from engine.sglang.client import ROUTING_HEADER, make_http_client
 from engine.config import EngineConfig, RetryPolicy
 from engine.local.invariants import sample_violations, status_name
@@ -43,7 +43,7 @@ from engine.loop.runtime import Runtime
 from engine.local.sample import Sample
 from engine.slime.sample_io import engine_metadata
 from engine.slime import run_sample
-from tools.sandbox.runner import LOCK_DIR, UID_BASE, UID_COUNT
+from engine.tools.sandbox.runner import LOCK_DIR, UID_BASE, UID_COUNT
 
 MAX_TURNS = 8
 REQUEST_TIMEOUT = 2.0  # seconds; an injected stall (3 s by default) must outlast it

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import tools
+from engine import tools
 from engine.config import log_once
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint

@@ -14,7 +14,7 @@ import inspect
 import logging
 from collections.abc import Iterable
 
-import tools
+from engine import tools
 
 log = logging.getLogger(__name__)
 

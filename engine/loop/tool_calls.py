@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import tools
+from engine import tools
 from engine.aio import Gate, within
 from engine.config import EngineConfig
 from engine.profiles.base import CallResult, ToolCall

@@ -25,7 +25,7 @@ import attrs
 from transitions import Machine, MachineError
 from transitions.core import Event
 
-import tools
+from engine import tools
 from engine.machine import actions, guards
 from engine.machine.actions import Action
 from engine.machine.guards import Guard, otherwise

@@ -268,7 +268,7 @@ def _rank(spec: MachineSpec, state: str) -> int:
 
 @cache
 def builtin_tool_names(modules: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The tools a fresh `import tools` registers (plus those of `modules`): what `diagram` draws.
+    """The tools a fresh `import engine.tools` registers (plus those of `modules`): what `diagram` draws.
 
     Asked of a fresh interpreter so that tools a test (or a caller) registered in this
     process never leak into the checked-in diagrams or their staleness check. Raises
@@ -277,7 +277,7 @@ def builtin_tool_names(modules: tuple[str, ...] = ()) -> tuple[str, ...]:
     root = str(Path(__file__).resolve().parents[2])
     path = [root, os.getcwd(), os.environ.get("PYTHONPATH")]  # a user's module lives beside them
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
-    code = ("import importlib, json, sys, tools\n"
+    code = ("import importlib, json, sys\nfrom engine import tools\n"
             "for m in sys.argv[1:]:\n"
             "    try:\n"
             "        importlib.import_module(m)\n"

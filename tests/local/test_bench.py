@@ -6,7 +6,7 @@ import asyncio
 
 import attrs
 
-import tools
+from engine import tools
 from engine.local.bench.common import Sizes, instant_interpreter
 from engine.local.bench.fsm import _rollout, edge_index, fsm_cycle, fsm_figures, plain_cycle
 from engine.local.bench.memory import PROMPT_TOKENS, body_figure, memory_figure

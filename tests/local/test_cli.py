@@ -279,7 +279,7 @@ def test_soak_and_bench_stop_before_starting_when_the_sandbox_cannot_work(capsys
     from engine.local.bench.main import main_bench
     from engine.local.soak import main_soak
     from tests.support.broken_tools import REASON, DeadSandbox
-    from tools.registry import registered
+    from engine.tools.registry import registered
 
     with registered(DeadSandbox()):
         soak = main_soak(argparse.Namespace(samples=10, concurrency=4, faults="default", seed=0, json=False))

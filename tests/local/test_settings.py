@@ -125,8 +125,8 @@ def test_every_setting_documents_itself() -> None:
 
 
 def test_tool_check_reasons(caplog: pytest.LogCaptureFixture) -> None:
-    import tools
-    from tools.registry import registered
+    from engine import tools
+    from engine.tools.registry import registered
 
     class Checked(tools.Tool):
         name = "checked_tool"

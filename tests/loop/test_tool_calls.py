@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-import tools
+from engine import tools
 from engine.config import EngineConfig
 from engine.loop import tool_calls
 from engine.loop.tool_calls import ToolRunner

@@ -13,7 +13,7 @@ import pytest
 import respx
 from transitions import MachineError
 
-import tools
+from engine import tools
 from engine.config import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
 from engine.loop.runtime import Runtime

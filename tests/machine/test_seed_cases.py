@@ -141,7 +141,7 @@ def test_prompt_that_fills_the_budget_ends_truncated_without_a_request():
 
 def slime_prompt_ids() -> list[int]:
     from engine.profiles.retool import RetoolProfile, render_retool_prompt
-    import tools as t
+    from engine import tools as t
 
     schemas = [t.get(n).schema() for n in t.names() if n not in RetoolProfile.withheld_tools]
     return encode(render_retool_prompt("What is 6*7?", schemas))

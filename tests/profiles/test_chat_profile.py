@@ -59,7 +59,7 @@ def test_multi_turn_ids_equal_a_full_chat_template_render(fake_interpreter):
 
 
 def full_render_ids_with_tools(profile, messages, turns):
-    import tools
+    from engine import tools
 
     schemas = [tools.get(n).schema() for n in tools.names()]
     convo = list(messages)
@@ -70,7 +70,7 @@ def full_render_ids_with_tools(profile, messages, turns):
 
 
 def incremental_ids_with_tools(profile, messages, turns):
-    import tools
+    from engine import tools
 
     schemas = [tools.get(n).schema() for n in tools.names()]
     ids = profile.render_prompt(messages, schemas)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import tools
+from engine import tools
 from engine.profiles.retool import INVALID_ACTION, RetoolProfile, parse_retool_turn, render_retool_prompt
 from engine.profiles.reward import answers_match, last_boxed, retool_score
 from tests.support.helpers import tok

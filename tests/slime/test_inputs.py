@@ -10,7 +10,7 @@ import httpx
 import pytest
 import respx
 
-import tools
+from engine import tools
 from engine import slime
 from engine.local.invariants import REASON_STATUS
 from engine.local.sample import Sample

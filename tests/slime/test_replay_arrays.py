@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import respx
 
-import tools
+from engine import tools
 from engine import slime
 from engine.local.sample import Sample
 from engine.local.server import BackgroundServer

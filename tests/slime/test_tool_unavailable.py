@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import respx
 
-import tools
+from engine import tools
 from engine import slime
 from engine.local.sample import Sample
 from tests.conftest import run

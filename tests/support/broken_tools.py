@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import tools
+from engine import tools
 
 REASON = "the sandbox probe program did not run: cannot create a user namespace (test stand-in)"
 TEXT = "Error: Failed to execute code: [Errno 13] Permission denied: '/tmp/venv/bin/python'"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import respx
 
-import tools
+from engine import tools
 from engine import slime
 from tests.support.episodes import PROMPTS, Episode, EpisodeServer, Reply, prompt_ids
 from tests.support.helpers import SAMPLING, URL, FakeInterpreter, encode, make_args

@@ -18,7 +18,7 @@ import attrs
 import httpx
 from hypothesis import strategies as st
 
-import tools
+from engine import tools
 from engine.profiles.retool import RetoolProfile, render_retool_prompt
 from engine.local.server.protocol import input_too_long_message, request_too_long_message
 from tests.support.helpers import IM_END, encode, fake_logprobs, reply_body, tok

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-import tools
+from engine import tools
 from engine.profiles.tokenizer import load_tokenizer
 
 URL = "http://sglang.test:30000"

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from tools.sandbox import runner as sandbox
-from tools.sandbox.attacks import suite as attacks
-from tools.sandbox.attacks.lab import Lab, Outcome, processes
-from tools.sandbox.attacks.suite import all_attacks, default_lab, exit_code, render_table, run_suite
+from engine.tools.sandbox import runner as sandbox
+from engine.tools.sandbox.attacks import suite as attacks
+from engine.tools.sandbox.attacks.lab import Lab, Outcome, processes
+from engine.tools.sandbox.attacks.suite import all_attacks, default_lab, exit_code, render_table, run_suite
 
 KNOWN_GAPS: dict[str, str] = {}
 NAMES = [name for name, _ in all_attacks()]

@@ -7,7 +7,7 @@ import sys
 
 import respx
 
-import tools
+from engine import tools
 from engine import slime
 from engine.trace.drawing import machine_mermaid
 from engine.machine.table import MachineSpec, get_machine

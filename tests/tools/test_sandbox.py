@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from tools import code_interpreter, python_session, registry
-from tools.code_interpreter import format_result
-from tools.registry import ToolError
-from tools.sandbox import runner as sandbox
-from tools.sandbox.runner import (
+from engine.tools import code_interpreter, python_session, registry
+from engine.tools.code_interpreter import format_result
+from engine.tools.registry import ToolError
+from engine.tools.sandbox import runner as sandbox
+from engine.tools.sandbox.runner import (
     UID_BASE,
     UID_COUNT,
     SandboxError,

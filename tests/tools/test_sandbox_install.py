@@ -21,17 +21,17 @@ from typing import Any
 import attrs
 import pytest
 
-from tools import ToolUnavailable, code_interpreter, python_session, registry
-from tools.sandbox import SandboxProbe, client, probe, probe_sync, runner
-from tools.sandbox import probing as probe_module
+from engine.tools import ToolUnavailable, code_interpreter, python_session, registry
+from engine.tools.sandbox import SandboxProbe, client, probe, probe_sync, runner
+from engine.tools.sandbox import probing as probe_module
 
 PROJECT = Path(__file__).resolve().parents[2]
 ROOT = os.geteuid() == 0
 # What the engine process prints: the probe, then one code call through the registered tool.
 ENGINE = """
 import asyncio, json, os
-from tools.sandbox import probe_sync
-import tools
+from engine.tools.sandbox import probe_sync
+from engine import tools
 outcome = probe_sync()
 call = asyncio.run(tools.get('code_interpreter').execute(None, code=CODE)) if outcome.ok else None
 print(json.dumps({'ok': outcome.ok, 'reason': outcome.reason, 'isolation': outcome.isolation,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import respx
 
-import tools
+from engine import tools
 from engine import slime
 from engine.trace.diagrams import (
     builtin_spec,

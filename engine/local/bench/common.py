@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import attrs
 
-import tools
+from engine import tools
 
 
 @attrs.frozen

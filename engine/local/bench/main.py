@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-import tools
+from engine import tools
 from engine.local.bench.common import Figure, Sizes
 from engine.local.bench.fsm import fsm_figures
 from engine.local.bench.memory import body_figure, memory_figure

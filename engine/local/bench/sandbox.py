@@ -30,12 +30,12 @@ from typing import Any
 
 import attrs
 
-import tools
+from engine import tools
 from engine.local.bench.common import Figure, Sizes, median, percentile
 from engine.local.bench.rollout import bench_config, run_engine
 from engine.local.bench.server import CannedServer
 from engine.loop.runtime import Runtime
-from tools.sandbox import SandboxLimits, capabilities, client, run_python
+from engine.tools.sandbox import SandboxLimits, capabilities, client, run_python
 
 
 def sleep_code(seconds: float) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tools
+from engine import tools
 
 
 @tools.tool(replace=True)

@@ -1,6 +1,6 @@
 """Choosing a sandbox worker for a call: least loaded, sticky sessions, a bounded wait. No Ray in here.
 
-Kept apart from `tools.sandbox.ray_pool` so the choice can be tested without a cluster, and
+Kept apart from `engine.tools.sandbox.ray_pool` so the choice can be tested without a cluster, and
 without Ray installed. A `Slot` is one place in the pool; the worker filling it is replaced
 when lost, and `generation` tells the workers of one slot apart (a session held by a lost
 worker moves to another). Everything here runs on one event loop, so it needs no locks.

@@ -49,8 +49,8 @@ from typing import Any, NamedTuple
 import attrs
 from attrs import validators as v
 
-from tools.sandbox import client
-from tools.sandbox.child import SETUP_FAILED  # its exit code when it could not build the sandbox
+from engine.tools.sandbox import client
+from engine.tools.sandbox.child import SETUP_FAILED  # its exit code when it could not build the sandbox
 
 UID_BASE = 60000  # below systemd's DynamicUser range (61184..), inside a 16-bit userns map
 UID_COUNT = 1024

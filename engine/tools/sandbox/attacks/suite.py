@@ -1,6 +1,6 @@
 """`python -m engine attacks`: hostile programs against the real code_interpreter sandbox.
 
-Every attack is model-style code run by `tools.sandbox.runner.run_python` with the code
+Every attack is model-style code run by `engine.tools.sandbox.runner.run_python` with the code
 interpreter's limits, shortened (a few seconds of timeout, a small memory limit where memory
 is the point). Whether it was contained is decided from what was observed - the errno the
 program got, the host's process table, files and free disk space, the signals the engine
@@ -28,17 +28,17 @@ import time
 
 import attrs
 
-from tools.code_interpreter import current_limits
-from tools.sandbox import runner as sandbox
-from tools.sandbox.attacks.lab import ATTACKS, TIMEOUT_S, AttackFn, Lab, Outcome, Verdict, survivors
+from engine.tools.code_interpreter import current_limits
+from engine.tools.sandbox import runner as sandbox
+from engine.tools.sandbox.attacks.lab import ATTACKS, TIMEOUT_S, AttackFn, Lab, Outcome, Verdict, survivors
 
 
 def all_attacks() -> list[tuple[str, AttackFn]]:
     """Every registered attack (importing the two attack modules registers them)."""
     # Imported in this order so the report starts with the attacks of tests/tools/test_sandbox.py.
-    from tools.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
-    from tools.sandbox.attacks import isolation  # noqa: F401
-    from tools.sandbox.attacks import kernel  # noqa: F401
+    from engine.tools.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
+    from engine.tools.sandbox.attacks import isolation  # noqa: F401
+    from engine.tools.sandbox.attacks import kernel  # noqa: F401
 
     return list(ATTACKS)
 

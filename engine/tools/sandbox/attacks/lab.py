@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from tools.sandbox import runner as sandbox
-from tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
+from engine.tools.sandbox import runner as sandbox
+from engine.tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
 
 PROJECT = Path(__file__).resolve().parents[3]  # the checkout (or site-packages) holding `tools`
 TIMEOUT_S = 5.0  # per attack run, unless the attack needs another

@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 
 import attrs
 
-from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
-from tools.sandbox import backend
-from tools.sandbox.probing import probe
-from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
+from engine.tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
+from engine.tools.sandbox import backend
+from engine.tools.sandbox.probing import probe
+from engine.tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 
 _TRACEBACK = "Traceback (most recent call last):\n"
 

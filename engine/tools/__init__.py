@@ -2,8 +2,8 @@
 
 Write a tool in one file: subclass `Tool` (or decorate an async function with `@tool`),
 `register` it at import, and name the module in `engine_tool_modules`. It gets a state of its
-own in the rollout machine, the diagrams and the edge-coverage test. `tools.registry` holds
-the rest (argument checking, test helpers); `tools.sandbox` is the isolation the built-ins
+own in the rollout machine, the diagrams and the edge-coverage test. `engine.tools.registry` holds
+the rest (argument checking, test helpers); `engine.tools.sandbox` is the isolation the built-ins
 run model-written code in, and no tool author needs to open it.
 
 Built-ins: `code_interpreter` (Python in an isolated subprocess, as slime's retool example
@@ -11,8 +11,8 @@ names it) and `python_session` (a stateful Python session per trajectory: the wo
 of writing your own tool).
 """
 
-from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, count, get, names, register, tool
+from engine.tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, count, get, names, register, tool
 
-from tools import code_interpreter, python_session  # noqa: E402,F401,I001  (registers the built-ins)
+from engine.tools import code_interpreter, python_session  # noqa: E402,F401,I001  (registers the built-ins)
 
 __all__ = ["Tool", "ToolError", "ToolResult", "ToolUnavailable", "call_timeout", "count", "get", "names", "register", "tool"]

@@ -12,7 +12,7 @@ Two ways to write one:
         return str(len(text.split()))
 
 or, for a tool that keeps state per trajectory, subclass `Tool` and override
-`create`/`release` (see `tools/python_session.py`).
+`create`/`release` (see `engine/tools/python_session.py`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sandboxed calls on a Ray cluster: a pool of sandbox workers (Ray actors) and the dispatch to them.
 
 Each worker is a Ray actor that runs this package's own local sandbox, through a host
-process of its own (`tools.sandbox.host`, which cleans up after a worker that dies). Ray
+process of its own (`engine.tools.sandbox.host`, which cleans up after a worker that dies). Ray
 places the workers on the cluster's nodes (spread, sized by CPUs, optionally only on nodes
 offering a custom resource); this module only chooses among them:
 
@@ -40,10 +40,10 @@ import attrs
 import ray
 from ray import exceptions as ray_errors
 
-from tools.registry import ToolError, count
-from tools.sandbox import host as host_protocol
-from tools.sandbox.dispatch import Busy, Dispatcher, RaySettings, Slot
-from tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
+from engine.tools.registry import ToolError, count
+from engine.tools.sandbox import host as host_protocol
+from engine.tools.sandbox.dispatch import Busy, Dispatcher, RaySettings, Slot
+from engine.tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class SandboxWorker:
             # kills a worker's child processes and process group with it, and the host must outlive
             # this worker, for it is what kills the sandboxes when this worker dies.
             starter = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tools.sandbox.host", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
+                sys.executable, "-m", "engine.tools.sandbox.host", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
             )

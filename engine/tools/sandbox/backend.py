@@ -2,7 +2,7 @@
 
 The tools call `run(code, limits, ...)` instead of `run_python`, and this one switch decides.
 With `ray`, a pool of sandbox workers (Ray actors, each running this package's own local
-sandbox) spreads the calls over the cluster's nodes; see `tools.sandbox.ray_pool`. The
+sandbox) spreads the calls over the cluster's nodes; see `engine.tools.sandbox.ray_pool`. The
 switch is process-wide, like the registered tools it serves, and set once by the engine
 from its settings (`engine_sandbox_backend` and friends). Ray itself is imported only
 when the `ray` backend is chosen, so the local path never needs it installed.
@@ -16,11 +16,11 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 
-from tools.sandbox.dispatch import RaySettings
-from tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
+from engine.tools.sandbox.dispatch import RaySettings
+from engine.tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; importing it needs ray
-    from tools.sandbox.ray_pool import RayPool
+    from engine.tools.sandbox.ray_pool import RayPool
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def configure(kind: str, settings: RaySettings | None = None) -> None:
             wanted = settings or RaySettings()
             if _pool is None or _pool.closed or _pool.settings != wanted:
                 try:
-                    from tools.sandbox.ray_pool import RayPool
+                    from engine.tools.sandbox.ray_pool import RayPool
                 except ImportError as exc:  # installed but unimportable: same refusal, with the cause
                     raise ValueError(f"{RAY_MISSING} ({exc})") from exc
                 old, _pool = _pool, RayPool.start(wanted)

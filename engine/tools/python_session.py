@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 import attrs
 
-from tools.code_interpreter import current_limits, format_result, require_sandbox, sandbox_check
-from tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
-from tools.sandbox import backend
-from tools.sandbox.runner import SandboxError, SandboxLimits
+from engine.tools.code_interpreter import current_limits, format_result, require_sandbox, sandbox_check
+from engine.tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
+from engine.tools.sandbox import backend
+from engine.tools.sandbox.runner import SandboxError, SandboxLimits
 
 # Runs in the sandbox; reads the cells as JSON on stdin, so no code is pasted into code.
 _REPLAY = r"""
