@@ -194,3 +194,12 @@ def test_a_dead_zygote_fails_its_runs_loudly_and_the_next_call_starts_a_new_one(
     error, after = asyncio.run(main())
     assert error is not None and "zygote" in str(error)
     assert after.stdout == "42\n" and client.current() is not None
+
+
+def test_the_checkout_the_sandbox_hides_is_the_whole_checkout() -> None:
+    # Run from a checkout, the hidden project root is the folder holding pyproject.toml, not a package
+    # inside it: a depth off by one would leave the rest of the checkout readable to model code.
+    from engine.tools.sandbox import runner
+
+    assert Path(runner.PROJECT_ROOT) == PROJECT
+    assert (Path(runner.PROJECT_ROOT) / "pyproject.toml").is_file()

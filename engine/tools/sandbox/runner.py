@@ -58,7 +58,7 @@ LOCK_DIR = "/run/engine-sandbox-uids"
 HIDDEN_PATHS = ("/root", "/home", "/run", "/var/tmp", "/dev/shm")
 # The engine's own checkout (source, data, checkpoints beside it) is hidden too, unless it
 # is installed inside the interpreter's prefix (then it is a library like any other).
-PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
 SANDBOX_DIR = "/tmp/sandbox"  # the child's cwd when the mount namespace is available
 CGROUP_NAME = "engine-sandbox"  # the parent of the per-uid cgroups, under the engine's own
 _GIB, _MIB = 1 << 30, 1 << 20
