@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
 PROFILES = ("retool", "chat")
-HTTP_TRANSPORTS = ("auto", "asyncio", "httpx", "aiohttp", "aiohttp_direct")  # engine_http_transport; see engine.sglang.client
 _positive = v.gt(0)
 _non_negative = v.ge(0)
 
@@ -198,7 +197,6 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_retry_deadline", float, None, "seconds over all attempts of one request, the one in flight included (default: the request timeout)", low=0, high=7 * DAY, above_low=True),
     Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
     Setting("engine_retry_max_delay", float, 16.0, "longest backoff", low=0, high=3600),
-    Setting("engine_http_transport", str, "auto", "the HTTP client: auto (asyncio, or httpx while respx mocks it), asyncio (the engine's own HTTP/1.1 client), httpx, aiohttp (httpx over httpx-aiohttp), aiohttp_direct (aiohttp's client)", choices=HTTP_TRANSPORTS),
     Setting("engine_sandbox_backend", str, "local", "where sandboxed code runs: local (this machine) or ray (workers on the Ray cluster)", choices=("local", "ray")),
     Setting("engine_sandbox_workers", int, 4, "Ray sandbox workers", low=1, high=100_000),
     Setting("engine_sandbox_worker_cpus", float, 1.0, "CPUs each Ray sandbox worker reserves", low=0, high=1024, above_low=True),
@@ -320,9 +318,6 @@ class EngineConfig:
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     max_reply_bytes: int = attrs.field(default=1 << 30, validator=_positive)  # routing replay replies run to 100s of MB
     max_connections: int = attrs.field(default=512, validator=_positive)
-    # asyncio | httpx | aiohttp (httpx-aiohttp) | aiohttp_direct | auto: asyncio unless respx is
-    # mocking httpx, then httpx. See engine.sglang.client.
-    http_transport: str = attrs.field(default="auto", validator=v.in_(HTTP_TRANSPORTS))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     partial_rollout: bool = False
     mask_offpolicy: bool = False
@@ -429,7 +424,6 @@ class EngineConfig:
             connect_timeout=get("engine_connect_timeout"),
             max_reply_bytes=get("engine_max_reply_bytes"),
             max_connections=connections,
-            http_transport=get("engine_http_transport"),
             retry=retry,
             partial_rollout=get("partial_rollout"),
             mask_offpolicy=get("mask_offpolicy_in_partial_rollout"),
