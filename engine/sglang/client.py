@@ -97,6 +97,7 @@ class HttpPool:
         self.client = EngineClient(transport=self.transport, timeout=timeout, trust_env=False, follow_redirects=False)
         self._gate = Gate(connections)
         self._urls: dict[str, httpx.URL] = {}
+        self._timeouts = timeout.as_dict()  # the client would make this dict anew for every request
 
     def _url(self, url: str) -> httpx.URL:
         known = self._urls.get(url)
@@ -122,12 +123,12 @@ class HttpPool:
         hooks = self.client.event_hooks
         if callable(content) and (hooks["request"] or hooks["response"]):
             content = content()
+        extensions = {"timeout": self._timeouts} if limit is None else {"timeout": self._timeouts, LIMIT: limit}
         if callable(content):
-            request = httpx.Request(method, self._url(url), headers=headers, stream=BodyStream(content))
+            request = httpx.Request(method, self._url(url), headers=headers, stream=BodyStream(content),
+                                    extensions=extensions)
         else:
-            request = httpx.Request(method, self._url(url), headers=headers, content=content)
-        if limit is not None:
-            request.extensions[LIMIT] = limit
+            request = httpx.Request(method, self._url(url), headers=headers, content=content, extensions=extensions)
         await self._gate.acquire()
         try:
             return await self.client.send(request)

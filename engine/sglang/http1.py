@@ -75,6 +75,20 @@ class BodyStream(httpx.AsyncByteStream, httpx.SyncByteStream):
         yield self.source()
 
 
+class WholeResponse(httpx.Response):
+    """An `httpx.Response` whose body the transport has already read whole.
+
+    httpx would copy it once more through its byte-stream iterators (a fair share of the client's
+    CPU per request); the body is handed over as read instead. Its stream holds the same bytes,
+    so a reader that iterates it anyway gets them too.
+    """
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, reason: bytes) -> None:
+        super().__init__(status, headers=headers, stream=httpx.ByteStream(body),
+                         extensions={"http_version": b"HTTP/1.1", "reason_phrase": reason})
+        self._content = body  # what `read()` would set: `aread()` and `.content` return it
+
+
 class _Reply:
     """One response being read: framing from the head, the body as it comes (one buffer, so a
     server sending a million tiny chunks costs no more memory than one large one)."""
@@ -396,8 +410,7 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
             def data() -> bytes:
                 return whole
         reply = await self._send(origin, data, deadline, limit, timeouts.get("connect"))
-        return httpx.Response(reply.status, headers=reply.headers, content=bytes(reply.body),
-                              extensions={"http_version": b"HTTP/1.1", "reason_phrase": reply.reason})
+        return WholeResponse(reply.status, reply.headers, bytes(reply.body), reply.reason)
 
     async def _connect(self, origin: tuple[str, str, int], deadline: float | None, limit: float | None,
                        connect: float | None) -> Connection:
