@@ -84,6 +84,8 @@ class HttpPool:
 
     At most `max_connections` requests run at once; the others wait on one gate, which wakes
     one waiter per free connection. `request` returns an `httpx.Response` with its body read.
+    `transport` replaces the engine's own (a test's stub); the size cap and the whole-request
+    limit are the engine's transport's, so another one must bound those itself.
     """
 
     def __init__(self, max_connections: int, timeout: httpx.Timeout, max_body: int = 1 << 30,

@@ -28,7 +28,6 @@ import asyncio
 import math
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
 
 import httpx
 

@@ -162,6 +162,7 @@ class HttpxFloor:
         self._gate = Gate(len(self._free))
 
     async def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        """`post` on a client with a free connection (the last freed first: its connection is warm)."""
         await self._gate.acquire()
         shard = self._free.pop()
         try:
@@ -171,6 +172,7 @@ class HttpxFloor:
             self._gate.release()
 
     async def aclose(self) -> None:
+        """Close every client."""
         for client in self.clients:
             await client.aclose()
 
