@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
 PROFILES = ("retool", "chat")
-HTTP_TRANSPORTS = ("auto", "asyncio", "httpx", "aiohttp", "aiohttp_direct")  # engine_http_transport; see engine.sglang.client
 _positive = v.gt(0)
 _non_negative = v.ge(0)
 
@@ -294,7 +293,6 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             above_low=True, unset="the request timeout", run_default=60.0),
     Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
     Setting("engine_retry_max_delay", float, 16.0, "longest backoff", low=0, high=3600),
-    Setting("engine_http_transport", str, "auto", "the HTTP client: auto (asyncio, or httpx while respx mocks it), asyncio (the engine's own HTTP/1.1 client), httpx, aiohttp (httpx over httpx-aiohttp), aiohttp_direct (aiohttp's client)", choices=HTTP_TRANSPORTS),
     Setting("engine_sandbox_backend", str, "local", "where sandboxed code runs: local (this machine) or ray (workers on the Ray cluster)", choices=("local", "ray")),
     Setting("engine_sandbox_workers", int, 4, "Ray sandbox workers", low=1, high=100_000),
     Setting("engine_sandbox_worker_cpus", float, 1.0, "CPUs each Ray sandbox worker reserves", low=0, high=1024, above_low=True),
@@ -540,9 +538,6 @@ class EngineConfig:
     max_reply_bytes: int = setting_field("engine_max_reply_bytes")  # routing replay replies run to 100s of MB
     max_connections: int = derived_field(("sglang_server_concurrency", "rollout_num_gpus", "rollout_num_gpus_per_engine"),
                                          connections, default=512, validator=_positive)
-    # asyncio | httpx | aiohttp (httpx-aiohttp) | aiohttp_direct | auto: asyncio unless respx is
-    # mocking httpx, then httpx. See engine.sglang.client.
-    http_transport: str = attrs.field(default="auto", validator=v.in_(HTTP_TRANSPORTS))
     retry: RetryPolicy = derived_field(("engine_retry_attempts", "engine_retry_deadline", "engine_retry_base_delay",
                                         "engine_retry_max_delay", "engine_request_timeout"), retry_policy, factory=RetryPolicy)
     partial_rollout: bool = setting_field("partial_rollout")

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import respx.mocks
 
 from engine import tools
 from engine.machine import RolloutMachine
@@ -23,6 +24,10 @@ def _recording_fire(self: RolloutMachine, r: Any, trigger: str) -> bool:
 
 
 RolloutMachine.fire = _recording_fire  # type: ignore[method-assign]
+
+# respx mocks above the transport, where httpx's client picks it (`respx.mock(using="httpx")` for
+# every mock): the engine's requests then run the production path down to the transport.
+respx.mocks.DEFAULT_MOCKER = "httpx"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -9,30 +9,19 @@ retry deadline. A server that drips bytes therefore cannot hold a sample past ei
 Other 4xx are final (a context-length 400 becomes `context_exceeded`); a 3xx is reported
 as a redirect and not followed. Every failure after a response records its status.
 
-The transport is chosen by `engine_http_transport`:
-- `asyncio`: the engine's own HTTP/1.1 client on asyncio's transports (`engine.sglang.http1`);
-- `httpx`: httpx's own (httpcore), on many small clients (see `HttpPool`);
-- `aiohttp`: aiohttp's transport under httpx's client (PyPI `httpx-aiohttp`);
-- `aiohttp_direct`: aiohttp's client alone, behind the three calls the pool makes;
-- `auto` (the default): `asyncio`, except while respx mocks httpx (respx patches httpcore,
-  which only the `httpx` transport calls), then `httpx`.
-Why that default: a turn needs one POST of bytes already encoded and one body read whole;
-every general client spends more CPU on that than the rest of the engine's turn (bench,
-512 x 8 turns: the bare loop on the pool costs ~36 us/turn on `asyncio`, ~117 on
-`aiohttp_direct`, over 1 ms on `httpx`), and it needs no package. The engine reads only
-status, headers and body, so nothing of httpx's API is lost to it; httpx event hooks still
-see every request and reply, and respx-mocked tests keep httpx by themselves.
+Every request is an `httpx.Request` sent by one `httpx.AsyncClient`; its transport is the
+engine's own (`engine.sglang.http1.AsyncioTransport`), which writes a request at most once.
+A request that failed after it was written is sent again only by the retry policy above:
+counted, after a backoff, inside the deadline. httpx event hooks and respx's httpx mocker
+work above the transport, on the path production runs (docs/http.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
-import math
 import random
 import ssl
-import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -42,24 +31,13 @@ import attrs
 import httpx
 
 from engine.aio import Gate, within
-from engine.config import HTTP_TRANSPORTS as TRANSPORTS
 from engine.config import EngineConfig, RetryPolicy
-from engine.sglang.http1 import (
-    AsyncioClient,
-    BodySource,
-    Hooks,
-    RawResponse,
-    ReplyTooLarge,
-    RequestTimeout,
-    declared_length,
-    json_body,
-    request_hooks,
-    response_hooks,
-)
+from engine.sglang.http1 import LIMIT, AsyncioTransport, BodySource, BodyStream, ReplyTooLarge
 from engine.sglang.wire import (
     Failure,
     Reply,
     RequestBody,
+    dumps,
     error_message,
     is_context_error,
     loads,
@@ -72,236 +50,110 @@ log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 ROUTING_HEADER = "X-SMG-Routing-Key"
-SHARD_CONNECTIONS = 4
 RETRY_AFTER_SPREAD = 0.1  # up to +10 %: samples told the same Retry-After do not all return at once
 PROBE_TIMEOUT = 5.0  # seconds for all model-info requests at start-up
 INFO_PATHS = ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
 VOCAB_PADDING = 1024  # embeddings are padded past the tokenizer (Qwen3: 267 ids); more means another model
 
 
+class _NoCookies(httpx.Cookies):
+    """A jar that keeps nothing: SGLang and its router set no cookies, and one jar would be state
+    shared by every sample of the process (httpx reads every reply's headers into it)."""
 
-async def _read_capped(chunks: Any, status: int, limit: int) -> bytes:
-    """Join an async iterator of byte chunks, raising `ReplyTooLarge` once it passes `limit`."""
-    parts, size = [], 0
-    async for chunk in chunks:
-        size += len(chunk)
-        if size > limit:
-            raise ReplyTooLarge(status, limit)
-        parts.append(chunk)
-    return b"".join(parts)
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
 
 
-def respx_active() -> bool:
-    """True while a respx mock patches httpx (checked without importing respx)."""
-    if "respx" not in sys.modules:
-        return False
-    try:
-        from respx.mocks import Mocker
+class EngineClient(httpx.AsyncClient):
+    """`httpx.AsyncClient` without a cookie jar; everything else is httpx's."""
 
-        return any(mocker.routers for mocker in Mocker.registry.values())
-    except Exception:  # another respx version: assume it may be mocking
-        return True
+    _jar = _NoCookies()  # empty for good: one for every client
 
+    @property  # type: ignore[override]
+    def cookies(self) -> httpx.Cookies:
+        return self._jar
 
-def resolve_transport(name: str) -> str:
-    """The transport a setting value gives (`auto` resolved); ValueError with the fix when it cannot be had."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"engine_http_transport must be one of {', '.join(TRANSPORTS)}, not {name!r}")
-    if name == "aiohttp" and importlib.util.find_spec("httpx_aiohttp") is None:
-        raise ValueError("engine_http_transport=aiohttp needs the package httpx-aiohttp (pip install httpx-aiohttp)")
-    if name == "aiohttp_direct" and importlib.util.find_spec("aiohttp") is None:
-        raise ValueError("engine_http_transport=aiohttp_direct needs the package aiohttp (pip install aiohttp)")
-    if name == "auto":
-        return "httpx" if respx_active() else "asyncio"
-    return name
-
-
-def _transient_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions of a request that mean "try again": httpx's, and aiohttp's it does not map."""
-    errors: tuple[type[BaseException], ...] = (httpx.RequestError,)
-    aiohttp = sys.modules.get("aiohttp")
-    if aiohttp is not None:
-        errors += (aiohttp.ClientError,)
-    return errors
+    @cookies.setter
+    def cookies(self, cookies: Any) -> None:
+        if cookies:
+            raise ValueError("the engine's HTTP client keeps no cookies")
 
 
 class HttpPool:
-    """Every HTTP request of one event loop's samples, on one of two transports.
+    """Every HTTP request of one event loop's samples: one `httpx.AsyncClient` over one transport.
 
-    httpx's own transport: many small clients instead of one big one. httpcore's pool does
-    work proportional to its size whenever a request starts or ends (a `poll()` per idle
-    connection, a scan of every connection). With one client of 256 connections that is
-    ~2 ms of CPU per request; with 64 clients of 4 it is ~0.7 ms. aiohttp's transport: one
-    client, as aiohttp's connector does constant work per request. Requests beyond the
-    pool's size wait on one semaphore, which wakes one waiter per free connection.
+    At most `max_connections` requests run at once; the others wait on one gate, which wakes
+    one waiter per free connection. `request` returns an `httpx.Response` with its body read.
+    `transport` replaces the engine's own (a test's stub); the size cap and the whole-request
+    limit are the engine's transport's, so another one must bound those itself.
     """
 
-    def __init__(
-        self, max_connections: int, timeout: httpx.Timeout, per_shard: int = SHARD_CONNECTIONS, transport: str = "httpx",
-        max_body: int = 1 << 30,
-    ) -> None:
-        self.transport = resolve_transport(transport)
+    def __init__(self, max_connections: int, timeout: httpx.Timeout, max_body: int = 1 << 30,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.max_body = max_body  # a reply past it raises ReplyTooLarge: memory is bounded, not only time
-        # One TLS context for all clients: httpx builds one per client otherwise, loading the CA
-        # bundle each time (~15 ms and ~0.7 MiB per shard: 2 s and 90 MiB at 512 connections).
-        tls = ssl.create_default_context()
-        if self.transport == "asyncio":
-            per_shard = max(1, max_connections)
-            self.shards = [AsyncioClient(per_shard, timeout, tls)]  # type: ignore[list-item]
-        elif self.transport == "aiohttp_direct":
-            per_shard = max(1, max_connections)
-            self.shards = [DirectClient(per_shard, timeout, tls)]  # type: ignore[list-item]
-        elif self.transport == "aiohttp":
-            per_shard = max(1, max_connections)
-            self.shards = [_aiohttp_client(per_shard, timeout, tls)]
-        else:
-            count = max(1, math.ceil(max_connections / per_shard))
-            limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
-            # trust_env=False: never route loopback or cluster traffic through a proxy from the env
-            self.shards = [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=tls)
-                           for _ in range(count)]
-        self._free = [i for i in range(len(self.shards)) for _ in range(per_shard)]  # one entry per connection
-        self._gate = Gate(len(self._free))
-        if self.transport in ("aiohttp", "aiohttp_direct"):
-            import aiohttp  # noqa: F401  # loaded now, so its errors are among the transient ones
-        self._errors = _transient_errors()
+        connections = max(1, max_connections)
+        # One TLS context, made once: loading the CA bundle is slow and large.
+        self.transport = transport or AsyncioTransport(connections, ssl.create_default_context(), max_body)
+        # trust_env=False: never route loopback or cluster traffic through a proxy from the env;
+        # follow_redirects=False: a redirect is reported, the engine's URL is then wrong.
+        self.client = EngineClient(transport=self.transport, timeout=timeout, trust_env=False, follow_redirects=False)
+        self._gate = Gate(connections)
+        self._urls: dict[str, httpx.URL] = {}
+        self._timeouts = timeout.as_dict()  # the client would make this dict anew for every request
 
-    async def request(self, method: str, url: str, *, limit: float | None = None, **kwargs: Any) -> RawResponse:
-        """A request on a client with a free connection; returns with the body read.
+    def _url(self, url: str) -> httpx.URL:
+        known = self._urls.get(url)
+        if known is None:
+            known = httpx.URL(url)
+            if len(self._urls) < 64:
+                self._urls[url] = known
+        return known
 
-        `limit` bounds the whole request in seconds once it holds a connection, from connect
-        to the body's last byte (httpx's own timeouts are per read: a server dripping a byte
-        at a time never trips them). Raises `RequestTimeout` when it passes, and `ReplyTooLarge`
+    async def request(self, method: str, url: str, *, limit: float | None = None, content: bytes | BodySource | None = None,
+                      json: Any = None, headers: dict[str, str] | None = None) -> httpx.Response:
+        """A request through the client once a connection is free; returns with the body read.
+
+        `content` may be a `BodySource`: the body is then made when it is written and held by
+        nothing while the reply is awaited (unless an event hook is registered: hooks see the
+        bytes). `limit` bounds the whole request in seconds once it holds a connection, from
+        connect to the body's last byte (httpx's own timeouts are per read: a server dripping a
+        byte at a time never trips them): `RequestTimeout` when it passes, and `ReplyTooLarge`
         when the body declares or runs past `max_body` bytes (nothing more of it is read).
         """
+        if json is not None:
+            content, headers = dumps(json), {"Content-Type": "application/json", **(headers or {})}
+        hooks = self.client.event_hooks
+        if callable(content) and (hooks["request"] or hooks["response"]):
+            content = content()
+        extensions = {"timeout": self._timeouts} if limit is None else {"timeout": self._timeouts, LIMIT: limit}
+        if callable(content):
+            request = httpx.Request(method, self._url(url), headers=headers, stream=BodyStream(content),
+                                    extensions=extensions)
+        else:
+            request = httpx.Request(method, self._url(url), headers=headers, content=content, extensions=extensions)
         await self._gate.acquire()
-        shard = self._free.pop()  # the gate guarantees one; LIFO reuses warm connections
         try:
-            client = self.shards[shard]
-            if isinstance(client, AsyncioClient):  # bounds the request itself: no timeout scope around it
-                return await client.request(method, url, max_body=self.max_body, limit=limit, **kwargs)
-            if callable(kwargs.get("content")):  # these clients hold the bytes while the request runs
-                kwargs["content"] = kwargs["content"]()
-            if isinstance(client, DirectClient):
-                send = client.request(method, url, max_body=self.max_body, **kwargs)
-            else:
-                send = _httpx_request(client, method, url, self.max_body, **kwargs)
-            if limit is None:
-                return await send
-            try:
-                return await within(max(limit, 0.0), send)
-            except (TimeoutError, asyncio.TimeoutError):  # two classes on Python 3.10
-                raise RequestTimeout.after(limit) from None
+            return await self.client.send(request)
         finally:
-            self._free.append(shard)
             self._gate.release()
 
-    async def post(self, url: str, *, limit: float | None = None, **kwargs: Any) -> RawResponse:
+    async def post(self, url: str, *, limit: float | None = None, **kwargs: Any) -> httpx.Response:
         """POST through `request`."""
         return await self.request("POST", url, limit=limit, **kwargs)
 
     def add_event_hook(self, kind: str, hook: Callable[..., Any]) -> None:
-        """An httpx event hook ("request" or "response") on every client."""
-        for client in self.shards:
-            client.event_hooks[kind].append(hook)
-
-    @property
-    def transient_errors(self) -> tuple[type[BaseException], ...]:
-        """What a failed request may raise that is worth a retry."""
-        return self._errors
+        """An httpx event hook ("request" or "response") on the client."""
+        self.client.event_hooks[kind].append(hook)
 
     async def aclose(self) -> None:
-        """Close every client and its connections."""
-        for client in self.shards:
-            await client.aclose()
-
-
-async def _httpx_request(client: httpx.AsyncClient, method: str, url: str, max_body: int, **kwargs: Any) -> RawResponse:
-    """`client.request`, reading the body as a stream that stops at `max_body` bytes (decoded)."""
-    response = await client.send(client.build_request(method, url, **kwargs), stream=True)
-    try:
-        declared = declared_length(response.headers.get("content-length"))
-        if declared is not None and declared > max_body:
-            raise ReplyTooLarge(response.status_code, max_body, declared)
-        body = await _read_capped(response.aiter_bytes(), response.status_code, max_body)
-    finally:
-        await response.aclose()
-    return RawResponse(response.status_code, response.headers, body)
-
-
-def _aiohttp_client(connections: int, timeout: httpx.Timeout, tls: ssl.SSLContext) -> httpx.AsyncClient:
-    """One httpx client whose requests go through an aiohttp session of `connections` connections."""
-    import aiohttp
-    from httpx_aiohttp import AiohttpTransport
-
-    def session() -> aiohttp.ClientSession:  # made on first use, inside the event loop
-        connector = aiohttp.TCPConnector(limit=connections, ssl=tls, keepalive_timeout=5.0)
-        return aiohttp.ClientSession(connector=connector, trust_env=False)
-
-    transport = AiohttpTransport(verify=tls, trust_env=False, client=session)
-    return httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
-
-
-class DirectClient:
-    """aiohttp's client behind the few calls `HttpPool` makes of an `httpx.AsyncClient`.
-
-    httpx's client machinery (request and URL objects, cookies, auth and redirect flows, byte
-    streams) costs more CPU per request than aiohttp's whole client; this skips it. Redirects
-    are never followed; the body is read whole; errors are aiohttp's (`HttpPool` retries them).
-    httpx event hooks still work: while one is registered, each request and response is also
-    built as an httpx object for it (a cost paid only then).
-    """
-
-    def __init__(self, connections: int, timeout: httpx.Timeout, tls: ssl.SSLContext) -> None:
-        self.connections = connections
-        self.tls = tls
-        self.timeout = timeout
-        self.event_hooks: Hooks = {"request": [], "response": []}
-        self._session: Any = None
-
-    def _open(self) -> Any:
-        import aiohttp
-
-        connector = aiohttp.TCPConnector(limit=self.connections, ssl=self.tls, keepalive_timeout=5.0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout.connect, sock_read=self.timeout.read)
-        # auto_decompress off: SGLang sends plain JSON; a compressed reply is no reason to inflate bombs
-        return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False, auto_decompress=False)
-
-    async def request(self, method: str, url: str, *, content: bytes | None = None, json: Any = None,
-                      headers: dict[str, str] | None = None, max_body: int = 1 << 30) -> RawResponse:
-        """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it)."""
-        if self._session is None:  # made on first use, inside the event loop
-            self._session = self._open()
-        if json is not None:
-            (content, headers), json = json_body(json, headers), None
-        request = await request_hooks(self.event_hooks, method, url, content, headers)
-        async with self._session.request(method, url, data=content, json=json, headers=headers,
-                                         allow_redirects=False) as response:
-            declared = response.content_length
-            if declared is not None and declared > max_body:
-                raise ReplyTooLarge(response.status, max_body, declared)
-            if declared is not None:  # the common case: read exactly what was declared, at once
-                body = await response.read()
-            else:  # chunked or until close: read in pieces, counting
-                body = await _read_capped(response.content.iter_any(), response.status, max_body)
-            raw = RawResponse(response.status, response.headers, body)
-        await response_hooks(self.event_hooks, raw, request)
-        return raw
-
-    async def post(self, url: str, **kwargs: Any) -> RawResponse:
-        """POST through `request`."""
-        return await self.request("POST", url, **kwargs)
-
-    async def aclose(self) -> None:
-        """Close the session and its connections."""
-        if self._session is not None:
-            await self._session.close()
+        """Close the client and its connections."""
+        await self.client.aclose()
 
 
 def make_http_client(cfg: EngineConfig) -> HttpPool:
-    """The connection pool of one event loop's samples, sized, timed and carried as the settings say."""
+    """The connection pool of one event loop's samples, sized and timed as the settings say."""
     timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
-    return HttpPool(cfg.max_connections, timeout, transport=cfg.http_transport, max_body=cfg.max_reply_bytes)
+    return HttpPool(cfg.max_connections, timeout, max_body=cfg.max_reply_bytes)
 
 
 class TokenSource(Protocol):
@@ -425,7 +277,7 @@ class SGLangClient:
             return _Transient("no time left for another attempt")
         try:
             response = await self.http.request("POST", self.url, content=body, headers=headers, limit=budget)
-        except self.http.transient_errors as exc:  # connect, read, write, pool, protocol, timeouts
+        except httpx.RequestError as exc:  # connect, read, write, protocol, timeouts
             return _Transient(f"{type(exc).__name__}: {exc}")
         except ReplyTooLarge as exc:  # the same request would get the same reply: not retried
             return Failure("rejected", str(exc), exc.status)

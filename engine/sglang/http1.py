@@ -1,17 +1,25 @@
-"""The engine's own HTTP/1.1 client: keep-alive connections on asyncio's transports, nothing else.
+"""The transport under the engine's httpx client: HTTP/1.1 keep-alive connections on asyncio's transports.
 
-Why it exists: a `/generate` turn needs one POST with a body that is already bytes and one
-reply read whole. aiohttp's client spends ~80 us of CPU per such request on request and
-response objects, header multidicts, payload registries and timers; this client writes one
-buffer and parses the reply with a few `bytes` methods (bench: `engine_http_transport=asyncio`
-against `aiohttp_direct`). It needs no package.
+`AsyncioTransport` is an `httpx.AsyncBaseTransport`: the engine's requests are `httpx.Request`s
+sent by an `httpx.AsyncClient`, and its replies `httpx.Response`s, so anything that works above
+httpx's transport interface (event hooks, respx's httpx mocker, a user's own transport) sees
+the same requests production sends. Beneath it, a turn needs one POST of bytes that are already
+encoded and one reply read whole: this writes one buffer and frames the reply with a few
+`bytes` methods. The bench's figure 1 measures what that costs against general clients, and
+docs/http.md why h11 does not do the framing here.
 
-What it does not do, on purpose: redirects (reported, never followed), compression (the
-reply is read as sent), proxies, cookies, HTTP/2, `Expect: 100-continue`. What it bounds,
-because the server may be hostile: the header block (`MAX_HEAD` bytes), every chunk-size
-line, and the body (`max_body`, `ReplyTooLarge` past it). Malformed replies raise
-`httpx.RemoteProtocolError`, lost connections `httpx.ReadError`, refused connects
-`httpx.ConnectError`: the `httpx.RequestError`s `HttpPool` already retries.
+What it does not do, on purpose: redirects (the client is told not to follow them), compression
+(a compressed reply is refused: none is asked for, and inflating one would slip past the size
+cap), proxies, cookies, HTTP/2, `Expect: 100-continue`. What it bounds, because the server may
+be hostile: the header block (`MAX_HEAD` bytes), every chunk-size line, the interim replies, the
+body (`max_body`, `ReplyTooLarge` past it), and the whole exchange, connect to last byte.
+
+A request is written at most once. A kept-alive connection found closed before the write is
+dropped and another one taken: nothing was sent on it. Once the bytes are written, any failure
+(the connection dropped, a malformed reply, the time bound) is raised to the caller, whose retry
+policy counts it: the server may have worked on the request, so sending it again is a decision,
+never a reflex. Malformed replies raise `httpx.RemoteProtocolError`, lost connections
+`httpx.ReadError`, refused connects `httpx.ConnectError`.
 """
 
 from __future__ import annotations
@@ -19,19 +27,19 @@ from __future__ import annotations
 import asyncio
 import math
 import ssl
-from collections.abc import Callable
-from typing import Any
-from urllib.parse import urlsplit
+from collections.abc import AsyncIterator, Callable, Iterator
 
-import attrs
 import httpx
-
-from engine.sglang.wire import dumps
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers; SGLang sends a few hundred
 MAX_CHUNK_LINE = 1024  # bytes of one chunk-size line (hex size and extensions)
 IDLE_SECONDS = 4.0  # an idle connection older than this is closed, not reused: uvicorn drops them at 5 s
 MAX_INTERIM = 8  # 1xx replies accepted before the real one
+LIMIT = "engine.limit"  # request extension: seconds for the whole exchange, connect to last byte
+FRAMING = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})  # written by the transport
+
+# A request body made when it is written: nothing need hold a large body while its reply is awaited.
+BodySource = Callable[[], bytes]
 
 
 class ReplyTooLarge(Exception):
@@ -51,67 +59,44 @@ class RequestTimeout(httpx.TimeoutException):
         return cls(f"no complete reply within {limit:.3g}s (connect to last byte)")
 
 
-@attrs.frozen
-class RawResponse:
-    """The part of `httpx.Response` the engine reads: status, headers (case-insensitive), body."""
+class BodyStream(httpx.AsyncByteStream, httpx.SyncByteStream):
+    """A request body made from `source` each time it is read: an `httpx.Request(stream=...)` that
+    holds no bytes while its reply is awaited. `AsyncioTransport` writes it with its length; any
+    other reader (a mock, a hook calling `aread()`) gets the bytes as one chunk."""
 
-    status_code: int
-    headers: Any
-    content: bytes
+    def __init__(self, source: BodySource) -> None:
+        self.source = source
 
+    def __iter__(self) -> Iterator[bytes]:
+        yield self.source()
 
-Hooks = dict[str, list[Callable[..., Any]]]
-# A request body made when it is written: nothing need hold a large body while its reply is awaited.
-BodySource = Callable[[], bytes]
-
-
-def json_body(value: Any, headers: dict[str, str] | None) -> tuple[bytes, dict[str, str]]:
-    """A `json=` argument as the bytes to send and the headers that say so (encoded once, so
-    hooks and the wire see the same bytes)."""
-    return dumps(value), {"Content-Type": "application/json", **(headers or {})}
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.source()
 
 
-async def request_hooks(hooks: Hooks, method: str, url: str, content: bytes | None,
-                        headers: dict[str, str] | None) -> httpx.Request | None:
-    """Run httpx "request" hooks on an `httpx.Request` built for them; None (nothing built) without hooks."""
-    if not (hooks["request"] or hooks["response"]):
-        return None
-    request = httpx.Request(method, url, content=content, headers=headers)
-    for hook in hooks["request"]:
-        await hook(request)
-    return request
+class WholeResponse(httpx.Response):
+    """An `httpx.Response` whose body the transport has already read whole.
 
+    httpx would copy it once more through its byte-stream iterators (a fair share of the client's
+    CPU per request); the body is handed over as read instead. Its stream holds the same bytes,
+    so a reader that iterates it anyway gets them too.
+    """
 
-async def response_hooks(hooks: Hooks, raw: RawResponse, request: httpx.Request | None) -> None:
-    """Run httpx "response" hooks on an `httpx.Response` built from `raw` (only when there are some)."""
-    if hooks["response"]:
-        response = httpx.Response(raw.status_code, headers=list(raw.headers.items()), content=raw.content,
-                                  request=request)
-        for hook in hooks["response"]:
-            await hook(response)
-
-
-class Headers(dict[str, str]):
-    """Reply headers, names lower-cased; `get`, `in` and `[]` take any case."""
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return dict.get(self, key.lower(), default)
-
-    def __contains__(self, key: object) -> bool:
-        return dict.__contains__(self, key.lower() if isinstance(key, str) else key)
-
-    def __getitem__(self, key: str) -> str:
-        return dict.__getitem__(self, key.lower())
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, reason: bytes) -> None:
+        super().__init__(status, headers=headers, stream=httpx.ByteStream(body),
+                         extensions={"http_version": b"HTTP/1.1", "reason_phrase": reason})
+        self._content = body  # what `read()` would set: `aread()` and `.content` return it
 
 
 class _Reply:
     """One response being read: framing from the head, the body as it comes (one buffer, so a
     server sending a million tiny chunks costs no more memory than one large one)."""
 
-    __slots__ = ("status", "headers", "length", "chunked", "chunk", "body", "keep_alive")
+    __slots__ = ("status", "reason", "headers", "length", "chunked", "chunk", "body", "keep_alive")
 
-    def __init__(self, status: int, headers: Headers, length: int | None, chunked: bool, keep_alive: bool) -> None:
-        self.status, self.headers, self.length, self.chunked = status, headers, length, chunked
+    def __init__(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], length: int | None,
+                 chunked: bool, keep_alive: bool) -> None:
+        self.status, self.reason, self.headers, self.length, self.chunked = status, reason, headers, length, chunked
         self.keep_alive = keep_alive
         self.chunk: int | None = None  # chunked: bytes of the chunk being read; None at a size line
         self.body = bytearray()
@@ -133,7 +118,7 @@ class Connection(asyncio.Protocol):
         self.max_body = 1 << 30
         self.closed = False
         self.idle_since = 0.0
-        self.answered = False  # a byte of the reply came: the request is never sent again
+        self.answered = False  # a byte of the reply came
         self.interim = 0  # 1xx replies before the real one
 
     # asyncio callbacks
@@ -152,10 +137,10 @@ class Connection(asyncio.Protocol):
             self._fail(exc)
 
     def eof_received(self) -> bool:
+        self.closed = True  # an idle connection is now known dead: it is never written to
         reply = self.reply
         if reply is not None and reply.length is None and not reply.chunked and not self.buffer:
-            self.closed = True  # body delimited by the close: this is its end
-            self._complete(reply)
+            self._complete(reply)  # body delimited by the close: this is its end
         return False  # let the transport close itself
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -166,7 +151,7 @@ class Connection(asyncio.Protocol):
             if reply is not None and reply.length is None and not reply.chunked:
                 self._complete(reply)  # read until close: the close ends it
             else:
-                got = "mid-reply" if self.answered else "before any reply"
+                got = "mid-reply" if self.answered else "after the request was sent, before any reply"
                 self.waiter.set_exception(httpx.ReadError(f"the server closed the connection {got}"))
 
     # parsing
@@ -263,6 +248,11 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
             self.transport = None
 
+    @property
+    def usable(self) -> bool:
+        """Open as far as this side knows: no close, EOF or error has been seen on it."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
     async def exchange(self, pending: list[bytes], max_body: int, deadline: float | None, limit: float | None) -> _Reply:
         """Write one request (taken out of `pending`, so no frame keeps it), wait for its whole
         reply; `RequestTimeout` at `deadline` (loop time).
@@ -289,7 +279,7 @@ class Connection(asyncio.Protocol):
                 timer.cancel()
 
 
-def declared_length(value: str | None) -> int | None:
+def declared_length(value: str | bytes | None) -> int | None:
     """A Content-Length value as a number, or None unless it is ASCII digits (at most 18):
     `str.isdigit` takes "²" too, and `int` then raises."""
     text = value.strip() if value is not None else ""
@@ -304,89 +294,133 @@ def _parse_head(head: bytes, max_body: int) -> _Reply:
     if parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or not (len(code) == 3 and code.isdigit() and b"100" <= code <= b"599"):
         raise httpx.RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
     status = int(code)
-    headers = Headers()
+    headers: list[tuple[bytes, bytes]] = []
+    length_text: bytes | None = None
+    codings: bytes | None = None
+    connection = b""
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep or not name or name != name.strip() or line[:1] in b" \t":
             raise httpx.RemoteProtocolError(f"malformed header line {line[:80]!r}")
-        key = name.decode("latin-1").lower()
-        text = value.strip().decode("latin-1")
-        if key not in headers:
-            headers[key] = text
-        elif key == "content-length":  # repeated: only the same value is acceptable
-            if dict.__getitem__(headers, key) != text:
+        value = value.strip()
+        headers.append((name, value))
+        key = name.lower()
+        if key == b"content-length":
+            if length_text is not None and length_text != value:  # repeated: only the same value is acceptable
                 raise httpx.RemoteProtocolError("conflicting Content-Length headers")
-        else:
-            headers[key] = dict.__getitem__(headers, key) + ", " + text
-    keep_alive = parts[0] == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
-    if status in (204, 304):  # never a body, whatever the headers say
-        return _Reply(status, headers, 0, False, keep_alive)
+            length_text = value
+        elif key == b"transfer-encoding":
+            codings = value if codings is None else codings + b", " + value
+        elif key == b"connection":
+            connection += value.lower()
+        elif key == b"content-encoding" and value.lower() not in (b"", b"identity"):
+            raise httpx.RemoteProtocolError(f"a compressed reply ({value[:20]!r}) was not asked for")
+    keep_alive = parts[0] == b"HTTP/1.1" and b"close" not in connection
+    reason = parts[2] if len(parts) > 2 else b""
+    if status in (204, 304) or status < 200:  # never a body, whatever the headers say
+        return _Reply(status, reason, headers, 0, False, keep_alive)
     length, chunked = None, False
-    codings = headers.get("transfer-encoding")
     if codings is not None:
-        if codings.rsplit(",", 1)[-1].strip().lower() != "chunked":
+        if codings.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
             raise httpx.RemoteProtocolError(f"unsupported Transfer-Encoding {codings[:40]!r}")
         chunked = True
-        if "content-length" in headers:  # both: chunked frames it, and the connection is not trusted again
+        if length_text is not None:  # both: chunked frames it, and the connection is not trusted again
             keep_alive = False
-    elif "content-length" in headers:
-        value = headers["content-length"]
-        length = declared_length(value)
+    elif length_text is not None:
+        length = declared_length(length_text)
         if length is None:
-            raise httpx.RemoteProtocolError(f"bad Content-Length {value[:30]!r}")
+            raise httpx.RemoteProtocolError(f"bad Content-Length {length_text[:30]!r}")
         if length > max_body:
             raise ReplyTooLarge(status, max_body, length)
     else:
         keep_alive = False  # the close delimits the body
-    return _Reply(status, headers, length, chunked, keep_alive)
+    return _Reply(status, reason, headers, length, chunked, keep_alive)
 
 
-class AsyncioClient:
-    """`HttpPool`'s calls of a client, on `Connection`s kept alive per origin (LIFO, warm first).
+class AsyncioTransport(httpx.AsyncBaseTransport):
+    """`Connection`s kept alive per origin (LIFO: the warmest first), one request on each at a time.
 
-    The pool's gate bounds how many requests run at once; this keeps at most `connections`
-    idle connections per origin and opens a new one whenever none is idle.
+    The caller bounds how many requests run at once (`HttpPool`'s gate); this keeps at most
+    `connections` idle connections per origin and opens a new one whenever none is idle.
+    Timeouts: the request's `engine.limit` extension bounds the whole exchange (connect to last
+    byte); without it, the client's read timeout does. The connect timeout bounds the connect.
     """
 
-    def __init__(self, connections: int, timeout: httpx.Timeout, tls: ssl.SSLContext) -> None:
+    def __init__(self, connections: int, tls: ssl.SSLContext | None = None, max_body: int = 1 << 30) -> None:
         self.connections = connections
-        self.timeout = timeout
-        self.tls = tls
-        self.event_hooks: Hooks = {"request": [], "response": []}
+        self.tls = tls or ssl.create_default_context()
+        self.max_body = max_body  # a reply past it raises ReplyTooLarge: memory is bounded, not only time
         self._idle: dict[tuple[str, str, int], list[Connection]] = {}
-        self._heads: dict[tuple[str, str], tuple[tuple[str, str, int], bytes]] = {}
+        self._heads: dict[tuple[bytes, bytes, bytes, int | None, bytes], tuple[tuple[str, str, int], bytes]] = {}
         self._closing = False
 
-    def _target(self, method: str, url: str) -> tuple[tuple[str, str, int], bytes]:
-        """(origin, request line + Host header) for a URL, cached: the engine posts to one URL."""
-        key = (method, url)
+    def _target(self, request: httpx.Request) -> tuple[tuple[str, str, int], bytes]:
+        """(origin, request line + Host header), cached: the engine posts to one URL."""
+        url = request.url
+        key = (request.method.encode(), url.raw_scheme, url.raw_host, url.port, url.raw_path)
         known = self._heads.get(key)
         if known is not None:
             return known
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise httpx.UnsupportedProtocol(f"cannot send to {url!r}: only http:// and https:// URLs")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        host = parts.hostname
-        host_header = f"[{host}]" if ":" in host else host
-        if parts.port:
-            host_header += f":{parts.port}"
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = f"{method} {target} HTTP/1.1\r\nHost: {host_header}\r\n".encode("latin-1")
-        known = ((parts.scheme, host, port), head)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise httpx.UnsupportedProtocol(f"cannot send to {str(url)!r}: only http:// and https:// URLs")
+        port = url.port or (443 if url.scheme == "https" else 80)
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (key[0], url.raw_path or b"/", url.netloc)
+        known = ((url.scheme, url.host, port), head)
         if len(self._heads) < 64:
             self._heads[key] = known
         return known
 
-    async def _connect(self, origin: tuple[str, str, int], deadline: float | None, limit: float | None) -> Connection:
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send `request` and read its whole reply (up to `max_body` bytes) into an `httpx.Response`.
+
+        A `BodyStream` body is made when it is written, so nothing holds it while the reply is
+        awaited. HEAD is refused (its reply's framing differs, and the engine never sends one).
+        """
+        if request.method == "HEAD":
+            raise httpx.LocalProtocolError("this transport does not send HEAD requests", request=request)
+        timeouts = request.extensions.get("timeout") or {}
+        limit = request.extensions.get(LIMIT)
+        if limit is None:
+            limit = timeouts.get("read")
+        deadline = None if limit is None else asyncio.get_running_loop().time() + max(limit, 0.0)
+        origin, head = self._target(request)
+        lines = [head]
+        for name, value in request.headers.raw:
+            if name.lower() in FRAMING:
+                continue
+            if b"\r" in name or b"\n" in name or b"\r" in value or b"\n" in value:
+                raise httpx.LocalProtocolError(f"header {name!r} holds a line break", request=request)
+            lines += (name, b": ", value, b"\r\n")
+        prefix = b"".join(lines)
+        stream = request.stream
+        if isinstance(stream, BodyStream):
+            source = stream.source
+
+            def data() -> bytes:
+                body = source()
+                return b"".join((prefix, b"Content-Length: %d\r\n\r\n" % len(body), body))
+        else:
+            body = b"".join([part async for part in stream])  # type: ignore[union-attr]
+            if body or request.method not in ("GET", "DELETE", "OPTIONS"):
+                whole = b"".join((prefix, b"Content-Length: %d\r\n\r\n" % len(body), body))
+            else:
+                whole = prefix + b"\r\n"
+
+            def data() -> bytes:
+                return whole
+        reply = await self._send(origin, data, deadline, limit, timeouts.get("connect"))
+        return WholeResponse(reply.status, reply.headers, bytes(reply.body), reply.reason)
+
+    async def _connect(self, origin: tuple[str, str, int], deadline: float | None, limit: float | None,
+                       connect: float | None) -> Connection:
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
         tls = self.tls if scheme == "https" else None
-        seconds = self.timeout.connect if self.timeout.connect is not None else math.inf
+        seconds = connect if connect is not None else math.inf
         if deadline is not None and deadline - loop.time() < seconds:  # the request's budget runs out first
             seconds, error = max(deadline - loop.time(), 0.0), RequestTimeout.after(limit or 0.0)
         else:
-            error = httpx.ConnectTimeout(f"no connection to {host}:{port} within {self.timeout.connect}s")
+            error = httpx.ConnectTimeout(f"no connection to {host}:{port} within {connect}s")
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: Connection(origin), host, port, ssl=tls,
@@ -400,18 +434,18 @@ class AsyncioClient:
         return conn
 
     def _checkout(self, origin: tuple[str, str, int]) -> Connection | None:
+        """The warmest idle connection still usable; the ones found closed are dropped (nothing was sent on them)."""
         idle = self._idle.get(origin)
         now = asyncio.get_running_loop().time()
         while idle:
             conn = idle.pop()
-            if not conn.closed and conn.transport is not None and not conn.transport.is_closing() \
-                    and now - conn.idle_since < IDLE_SECONDS:
+            if conn.usable and now - conn.idle_since < IDLE_SECONDS:
                 return conn
             conn.close()
         return None
 
     def _checkin(self, conn: Connection) -> None:
-        if self._closing or conn.closed:
+        if self._closing or not conn.usable:
             conn.close()
             return
         idle = self._idle.setdefault(conn.origin, [])
@@ -421,83 +455,25 @@ class AsyncioClient:
         conn.idle_since = asyncio.get_running_loop().time()
         idle.append(conn)
 
-    async def request(self, method: str, url: str, *, content: bytes | BodySource | None = None, json: Any = None,
-                      headers: dict[str, str] | None = None, max_body: int = 1 << 30,
-                      limit: float | None = None) -> RawResponse:
-        """Send and read the whole body, up to `max_body` bytes (`ReplyTooLarge` past it).
-
-        `content` may be a `BodySource`: it is called for each write (once, or twice when a
-        kept-alive connection turns out closed), so the body is not held while the reply is
-        awaited. Event hooks see a request only with its bytes, so with hooks it is called once
-        and the bytes kept. `limit` bounds the whole request in seconds, connect to last byte
-        (`RequestTimeout`); without one, the client's read timeout does. HEAD is not supported
-        (its reply's framing differs, and the engine never sends one).
-        """
-        if method == "HEAD":
-            raise httpx.LocalProtocolError("this client does not send HEAD requests")
-        if limit is None:
-            limit = self.timeout.read
-        deadline = None if limit is None else asyncio.get_running_loop().time() + max(limit, 0.0)
-        if json is not None:
-            content, headers = json_body(json, headers)
-        if callable(content) and (self.event_hooks["request"] or self.event_hooks["response"]):
-            content = content()
-        request = await request_hooks(self.event_hooks, method, url, content, headers)  # type: ignore[arg-type]
-        origin, head = self._target(method, url)
-        lines = [head]
-        for name, value in (headers or {}).items():
-            if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
-                raise httpx.LocalProtocolError(f"header {name!r} holds a line break")
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        if callable(content):
-            source = content
-            prefix = b"".join(lines)
-
-            def data() -> bytes:
-                body = source()
-                return b"".join((prefix, b"Content-Length: %d\r\n\r\n" % len(body), body))
-        else:
-            body = content or b""
-            if body or method != "GET":
-                lines.append(b"Content-Length: %d\r\n" % len(body))
-            lines.append(b"\r\n")
-            lines.append(body)
-            whole = b"".join(lines)
-
-            def data() -> bytes:
-                return whole
-        reply = await self._send(origin, data, max_body, deadline, limit)
-        content_bytes = bytes(reply.body)
-        raw = RawResponse(reply.status, reply.headers, content_bytes)
-        await response_hooks(self.event_hooks, raw, request)
-        return raw
-
-    async def _send(self, origin: tuple[str, str, int], data: BodySource, max_body: int, deadline: float | None,
-                    limit: float | None) -> _Reply:
-        """One exchange; once again on a fresh connection when a reused one was dropped before replying."""
-        for fresh in (False, True):
-            pending = [data()]  # made before a connection is taken: a body that cannot be made costs none
-            conn = None if fresh else self._checkout(origin)
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(origin, deadline, limit)
-            done = False
-            try:
-                reply = await conn.exchange(pending, max_body, deadline, limit)
-                done = True
-            except httpx.ReadError:
-                if reused and not conn.answered:  # the keep-alive race: not a byte came, try a new one
-                    continue
-                raise
-            finally:
-                if not done:
-                    conn.close()
-            if reply.keep_alive and not conn.closed:
-                self._checkin(conn)
-            else:
+    async def _send(self, origin: tuple[str, str, int], data: BodySource, deadline: float | None,
+                    limit: float | None, connect: float | None) -> _Reply:
+        """One exchange on one connection; whatever fails once the request is written is raised."""
+        pending = [data()]  # made before a connection is taken: a body that cannot be made costs none
+        conn = self._checkout(origin)
+        if conn is None:
+            conn = await self._connect(origin, deadline, limit, connect)
+        done = False
+        try:
+            reply = await conn.exchange(pending, self.max_body, deadline, limit)
+            done = True
+        finally:
+            if not done:
                 conn.close()
-            return reply
-        raise AssertionError("unreachable")
+        if reply.keep_alive:
+            self._checkin(conn)
+        else:
+            conn.close()
+        return reply
 
     async def aclose(self) -> None:
         """Close every idle connection; ones in use close when their request ends."""
@@ -506,3 +482,4 @@ class AsyncioClient:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+

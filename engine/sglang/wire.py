@@ -133,7 +133,7 @@ def _ids_json(ids: Sequence[int]) -> bytes:
         return b""
     if isinstance(ids, array):
         view = _numpy_int32() if len(ids) >= _NUMPY_FROM and ids.typecode == "i" and ids.itemsize == 4 else None
-        if view is not None:  # orjson reads the numpy view in place: ~3.5x faster at 32k ids than via a list
+        if view is not None:  # orjson reads the numpy view in place, far quicker for long arrays than via a list
             try:
                 return _orjson.dumps(view(ids), option=_orjson.OPT_SERIALIZE_NUMPY)[1:-1]  # type: ignore[union-attr]
             except TypeError:  # a numpy this orjson cannot read: the list gives the same bytes, from now on
@@ -148,7 +148,7 @@ _numpy_view: Any = False  # not looked for yet; None when numpy or orjson is abs
 
 def prepare_encoder() -> None:
     """Import what body encoding uses (numpy) now, at start-up, not inside the first long turn's
-    request (importing numpy takes ~0.1 s, a stall of every sample in flight)."""
+    request (the import would stall every sample in flight)."""
     _numpy_int32()
 
 
@@ -250,10 +250,9 @@ class RequestBody:
 
     Only the prompt's part is kept between turns (its identity says when a reset or a restored
     checkpoint put another prompt in place). The response's ids are encoded afresh each turn
-    from the trajectory's array, and the body is not kept: a 32k-token sample would otherwise
-    hold ~170-230 KiB of JSON digits for the whole of its life beside the ~260 KiB of its arrays.
-    Encoding 32k ids costs ~0.2-0.3 ms (orjson over a numpy view of the array; bench figure 5);
-    at the few hundred ids of a short turn it is a few microseconds.
+    from the trajectory's array, and the body is not kept: a long sample would otherwise hold
+    its JSON digits, most of the size of its arrays again, for the whole of its life. What the
+    encoding costs per turn, and what not keeping the body saves, is bench figure 5's.
     """
 
     __slots__ = ("_head", "_prompt", "_prompt_length", "prompt_encodings")

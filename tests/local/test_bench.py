@@ -10,7 +10,7 @@ from engine import tools
 from engine.local.bench.common import Sizes, instant_interpreter
 from engine.local.bench.fsm import _rollout, edge_index, fsm_cycle, fsm_figures, plain_cycle
 from engine.local.bench.memory import PROMPT_TOKENS, body_figure, memory_figure
-from engine.local.bench.rollout import BARE_AIOHTTP, BARE_HTTPX, ENGINE, measure_sides, side_names
+from engine.local.bench.rollout import BARE_AIOHTTP, BARE_HTTPX, ENGINE, SIDES, measure_sides
 from engine.local.bench.server import CannedServer, scenario
 from engine.machine.table import RolloutMachine, get_machine
 from engine.profiles.tokenizer import load_tokenizer
@@ -52,7 +52,7 @@ def test_bench_smoke() -> None:
                                           concurrency=TINY.concurrency, connections=TINY.concurrency, repeats=1,
                                           tick=True))
     assert sides.requests_per_sample == TINY.turns
-    assert list(sides.runs) == side_names(sides.transport) and {ENGINE, BARE_HTTPX, BARE_AIOHTTP} <= set(sides.runs)
+    assert list(sides.runs) == SIDES and {ENGINE, BARE_HTTPX, BARE_AIOHTTP} <= set(sides.runs)
     for name, (run,) in sides.runs.items():
         assert run.samples == TINY.samples and run.wall > 0 and run.cpu > 0 and run.max_stall > 0, name
         if name.startswith("engine"):

@@ -1,4 +1,7 @@
-"""The real sglang-router in front of two embedded servers (starts a Rust binary: marked slow)."""
+"""The real sglang-router in front of two embedded servers (starts a Rust binary: marked slow).
+
+The engine reaches it on its one HTTP path (httpx's client over the engine's transport), as users run it.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ import httpx
 import pytest
 
 from engine import slime
+from engine.config import EngineConfig
 from engine.local.run import demo_file
 from engine.local.server import BackgroundServer
+from engine.sglang.http1 import AsyncioTransport
 from tests.conftest import run
 from tests.support.helpers import SAMPLING, make_args, tok
 from engine.local.sample import Sample
@@ -150,7 +155,10 @@ def test_engine_rollouts_through_the_router_stay_on_one_worker(cluster: Cluster)
     async def go() -> None:
         import asyncio
 
+        pool = slime.runtime_for(EngineConfig.from_args(args)).client.http
+        assert isinstance(pool.transport, AsyncioTransport)  # the default path, as users run it
         await asyncio.gather(*(slime.generate(args, s, dict(SAMPLING)) for s in samples))
+        await pool.aclose()
 
     run(go())
     seen = [_by_key(w) for w in cluster.workers]

@@ -1,14 +1,14 @@
-"""The engine's own HTTP/1.1 client (`engine_http_transport=asyncio`) on a real loopback socket.
+"""The engine's transport (`AsyncioTransport` under httpx's client, as `HttpPool` runs it) on a real loopback socket.
 
 Each test plays a server that writes raw bytes, so framing, keep-alive and malformed replies
-are what a real peer would send. The fault tests of every transport (`test_transport_faults`)
-run this client too; here are the cases only a hand-written client can get wrong.
+are what a real peer would send. The fault tests through the whole engine
+(`test_transport_faults`) run the same path; here are the cases only a hand-written transport
+can get wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -16,9 +16,7 @@ import pytest
 
 from engine.local.bench.memory import in_flight_request_bytes
 from engine.sglang.client import HttpPool, ReplyTooLarge
-from engine.sglang.http1 import MAX_HEAD, AsyncioClient, RequestTimeout
-
-HAVE_AIOHTTP = importlib.util.find_spec("aiohttp") is not None
+from engine.sglang.http1 import MAX_HEAD, RequestTimeout
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]  # False: close after
 
 
@@ -84,10 +82,13 @@ def second_request_gets(raw: bytes) -> Answer:
     return answer
 
 
-def client(**kw: object) -> AsyncioClient:
-    import ssl
+def client(max_body: int = 1 << 30, timeout: httpx.Timeout = httpx.Timeout(5.0, connect=2.0)) -> HttpPool:
+    return HttpPool(8, timeout, max_body=max_body)
 
-    return AsyncioClient(8, httpx.Timeout(5.0, connect=2.0), ssl.create_default_context(), **kw)  # type: ignore[arg-type]
+
+def idle(c: HttpPool) -> dict:
+    """The transport's idle connections by origin."""
+    return c.transport._idle  # type: ignore[attr-defined]
 
 
 def run(coro: Awaitable[object]) -> object:
@@ -123,12 +124,15 @@ def test_a_keep_alive_connection_the_server_dropped_is_replaced_without_an_error
     run(go())
 
 
-def test_the_race_where_the_server_closes_as_the_request_goes_out_is_retried_once_on_a_new_connection() -> None:
+def test_a_request_written_on_a_kept_alive_connection_that_then_closes_is_an_error_never_a_silent_resend() -> None:
     async def go() -> None:
-        async with RawServer(second_request_gets(b"")) as server:  # not a byte, then the close
+        async with RawServer(second_request_gets(b"")) as server:  # read the request, not a byte back, then the close
             c = client()
             assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
-            assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
+            with pytest.raises(httpx.ReadError, match="after the request was sent"):
+                await c.request("POST", server.url, content=b"{}")
+            assert len(server.requests) == 2  # the server got it once: the retry policy decides about another
+            assert (await c.request("POST", server.url, content=b"{}")).status_code == 200  # a new connection
             await c.aclose()
         assert server.connections == 2 and len(server.requests) == 3
 
@@ -146,17 +150,17 @@ def test_a_body_source_is_made_for_each_write_and_a_source_that_fails_costs_no_c
         raise TypeError("not JSON")
 
     async def go() -> None:
-        async with RawServer(second_request_gets(b"")) as server:  # the race on the reused connection
+        async with RawServer(reply(OK)) as server:
             c = client()
             assert (await c.request("POST", server.url, content=source)).status_code == 200
             with pytest.raises(TypeError):
                 await c.request("POST", server.url, content=broken)
-            assert (await c.request("POST", server.url, content=source)).status_code == 200  # raced, then resent
+            assert (await c.request("POST", server.url, content=source)).status_code == 200
             assert (await c.request("POST", server.url, content=lambda: b"")).status_code == 200
             await c.aclose()
-        assert made == [0, 1, 2]  # the resend made its body again
-        assert [body for _, body in server.requests] == [b'{"n": 1}', b'{"n": 2}', b'{"n": 3}', b""]
-        assert server.connections == 2  # the failed source did not cost the kept-alive connection
+        assert made == [0, 1]  # once per request written
+        assert [body for _, body in server.requests] == [b'{"n": 1}', b'{"n": 2}', b""]
+        assert server.connections == 1  # the failed source did not cost the kept-alive connection
         assert b"\r\nContent-Length: 0\r\n" in server.requests[-1][0]
 
     run(go())
@@ -188,7 +192,7 @@ def test_framing_and_whether_the_connection_is_kept(raw: bytes, reused: bool) ->
         async with RawServer(reply(raw)) as server:
             c = client()
             assert (await c.request("POST", server.url, content=b"{}")).content == b"{}"
-            assert bool(c._idle.get(("http", "127.0.0.1", server.server.sockets[0].getsockname()[1]))) == reused
+            assert bool(idle(c).get(("http", "127.0.0.1", server.server.sockets[0].getsockname()[1]))) == reused
             await c.aclose()
 
     run(go())
@@ -222,6 +226,7 @@ def test_a_body_delimited_by_the_close_is_read_to_the_end() -> None:
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", "Transfer-Encoding"),
     (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "interim"),
     (b"HTTP/1.1 100 Continue\r\n\r\n" * 20_000, "interim"),  # a flood of them: an error, not a recursion
+    (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", "compressed"),  # never asked for
 ])
 def test_malformed_replies_are_protocol_errors_and_the_connection_is_dropped(raw: bytes, words: str) -> None:
     async def go() -> None:
@@ -229,7 +234,7 @@ def test_malformed_replies_are_protocol_errors_and_the_connection_is_dropped(raw
             c = client()
             with pytest.raises(httpx.RemoteProtocolError, match=words):
                 await c.request("POST", server.url, content=b"{}")
-            assert not any(c._idle.values())
+            assert not any(idle(c).values())
             await c.aclose()
 
     run(go())
@@ -243,9 +248,9 @@ def test_malformed_replies_are_protocol_errors_and_the_connection_is_dropped(raw
 def test_a_reply_past_the_cap_raises_reply_too_large_without_reading_on(raw: bytes) -> None:
     async def go() -> None:
         async with RawServer(reply(raw)) as server:
-            c = client()
+            c = client(max_body=100_000)
             with pytest.raises(ReplyTooLarge):
-                await c.request("POST", server.url, content=b"{}", max_body=100_000)
+                await c.request("POST", server.url, content=b"{}")
             await c.aclose()
 
     run(go())
@@ -264,7 +269,7 @@ def test_a_cancelled_request_closes_its_connection() -> None:
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(c.request("POST", server.url, content=b"{}"), 0.3)
             await asyncio.sleep(0.05)
-            assert not any(c._idle.values())
+            assert not any(idle(c).values())
             assert server.connections == 1
             await c.aclose()
 
@@ -297,7 +302,7 @@ def test_refused_connections_and_unsupported_urls_are_clear_errors() -> None:
     run(go())
 
 
-def test_json_bodies_event_hooks_and_the_pool_on_this_transport() -> None:
+def test_json_bodies_and_event_hooks() -> None:
     seen: list[str] = []
 
     async def on_request(request: httpx.Request) -> None:
@@ -308,7 +313,7 @@ def test_json_bodies_event_hooks_and_the_pool_on_this_transport() -> None:
 
     async def go() -> None:
         async with RawServer(reply(OK)) as server:
-            pool = HttpPool(4, httpx.Timeout(5.0), transport="asyncio")
+            pool = HttpPool(4, httpx.Timeout(5.0))
             pool.add_event_hook("request", on_request)
             pool.add_event_hook("response", on_response)
             r = await pool.post(server.url, json={"a": 1}, limit=5.0)
@@ -330,7 +335,7 @@ def test_event_hooks_see_the_bytes_of_a_body_source() -> None:
     async def go() -> None:
         async with RawServer(reply(OK)) as server:
             c = client()
-            c.event_hooks["request"].append(on_request)
+            c.add_event_hook("request", on_request)
             assert (await c.request("POST", server.url, content=lambda: b'{"x": 1}')).status_code == 200
             await c.aclose()
         assert seen == [b'{"x": 1}'] and server.requests[0][1] == b'{"x": 1}'
@@ -346,8 +351,10 @@ def test_a_million_tiny_chunks_are_read_into_one_buffer_and_capped_by_their_byte
         async with RawServer(reply(raw)) as server:
             c = client()
             assert (await c.request("POST", server.url, content=b"{}")).content == b"x" * 50_000
+            await c.aclose()
+            c = client(max_body=49_999)
             with pytest.raises(ReplyTooLarge):
-                await c.request("POST", server.url, content=b"{}", max_body=49_999)
+                await c.request("POST", server.url, content=b"{}")
             await c.aclose()
 
     run(go())
@@ -357,8 +364,8 @@ def test_no_content_replies_end_at_their_head_whatever_their_framing_headers_say
     async def go() -> None:
         raw = b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\nContent-Length: 999999999999\r\n\r\n"
         async with RawServer(reply(raw)) as server:
-            c = client()
-            r = await asyncio.wait_for(c.request("POST", server.url, content=b"{}", max_body=100), 2.0)
+            c = client(max_body=100)
+            r = await asyncio.wait_for(c.request("POST", server.url, content=b"{}"), 2.0)
             assert (r.status_code, r.content) == (204, b"")
             await c.aclose()
 
@@ -379,15 +386,13 @@ def test_a_request_the_server_began_to_answer_is_never_sent_again() -> None:
 
 
 def test_without_a_limit_the_read_timeout_bounds_the_request() -> None:
-    import ssl
-
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
         await reader.read()
         return False
 
     async def go() -> None:
         async with RawServer(silent) as server:
-            c = AsyncioClient(2, httpx.Timeout(0.3, connect=2.0), ssl.create_default_context())
+            c = client(timeout=httpx.Timeout(0.3, connect=2.0))
             with pytest.raises(RequestTimeout):
                 await asyncio.wait_for(c.request("GET", server.url), 5.0)
             await c.aclose()
@@ -417,12 +422,14 @@ def test_every_transport_reads_only_ascii_digits_as_a_declared_length() -> None:
 
 # -- memory: a request waiting for its reply holds none of its body ------------------------------
 def test_a_sample_waiting_for_its_reply_holds_none_of_its_request_body() -> None:
-    held, sent = in_flight_request_bytes("asyncio", repeats=1)
+    held, sent = in_flight_request_bytes(repeats=1)
     assert sent > 32768 * 6  # the whole 32k-id body reached the server
     assert held < sent // 8, f"{held} bytes held while waiting, of a {sent}-byte body"
 
 
-@pytest.mark.skipif(not HAVE_AIOHTTP, reason="aiohttp (the `fast` extra) is not installed")
-def test_the_other_transports_hold_the_body_while_waiting() -> None:
-    held, sent = in_flight_request_bytes("aiohttp_direct", repeats=1)
-    assert held > sent  # what the asyncio client's body source saves, measured the same way
+def test_with_a_request_hook_the_body_is_held_while_waiting() -> None:
+    async def hook(request: httpx.Request) -> None:
+        await request.aread()
+
+    held, sent = in_flight_request_bytes(repeats=1, hook=hook)
+    assert held > sent  # what the body source saves, measured the same way

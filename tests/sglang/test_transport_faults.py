@@ -1,9 +1,9 @@
 """Faults that live in the transport, on a real loopback socket, through `engine.slime.generate`.
 
 A server that drips headers or a body, a 429/503 with `Retry-After`, a redirect: each is
-played by `LoopbackServer` and each transport (httpx's own, aiohttp's under httpx's API,
-aiohttp's client directly, the engine's own `asyncio` client) must end the sample within its time
-bounds, with its status code in `engine_error`.
+played by `LoopbackServer`, and the engine's one HTTP path (httpx's client over the engine's
+transport, as production runs it) must end the sample within its time bounds, with its status
+code in `engine_error`.
 Elapsed-time bounds here are correctness (the sample must not hang), with generous slack.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
-import importlib.util
 import json
 import time
 
@@ -23,19 +22,11 @@ from engine.local.sample import Sample
 from tests.sglang.loopback import Handler, LoopbackServer, drip, send
 from tests.support.helpers import IM_END, SAMPLING, encode, make_args, reply_body
 
-HAVE_HTTPX_AIOHTTP = importlib.util.find_spec("httpx_aiohttp") is not None
-HAVE_AIOHTTP = importlib.util.find_spec("aiohttp") is not None
-TRANSPORTS = [
-    "httpx",
-    pytest.param("aiohttp", marks=pytest.mark.skipif(not HAVE_HTTPX_AIOHTTP, reason="httpx-aiohttp is not installed")),
-    pytest.param("aiohttp_direct", marks=pytest.mark.skipif(not HAVE_AIOHTTP, reason="aiohttp is not installed")),
-    "asyncio",
-]
 ANSWER = reply_body(encode("Answer: \\boxed{1}") + [IM_END])
 SLACK = 1.5  # seconds on top of a bound: scheduling on a loaded 2-core machine, the vocabulary probe
 
 
-def roll(server: LoopbackServer, transport: str, **args) -> tuple[Sample, float]:
+def roll(server: LoopbackServer, **args) -> tuple[Sample, float]:
     """One sample against the loopback server; (sample, seconds it took)."""
     sample = Sample(prompt="What is 1?", label="1")
 
@@ -43,11 +34,12 @@ def roll(server: LoopbackServer, transport: str, **args) -> tuple[Sample, float]
         async with server:
             # One attempt is judged: the caller re-queues (else a failed attempt is run again).
             ns = make_args(sglang_router_ip="127.0.0.1", sglang_router_port=server.port,
-                           engine_http_transport=transport, **{"engine_abort_status": "aborted", **args})
+                           **{"engine_abort_status": "aborted", **args})
+            slime.runtime_for(EngineConfig.from_args(ns))  # made (tokenizer loaded) before the clock starts
             started = time.monotonic()
             await slime.generate(ns, sample, dict(SAMPLING))
             took = time.monotonic() - started
-            await slime.runtime_for(EngineConfig.from_args(ns)).aclose()  # aiohttp warns of open sessions
+            await slime.runtime_for(EngineConfig.from_args(ns)).aclose()
             return took
 
     return sample, asyncio.run(go())
@@ -57,22 +49,20 @@ def meta(sample: Sample) -> dict:
     return sample.metadata["fsm"]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_dripping_headers_end_the_sample_within_the_request_timeouts(transport: str) -> None:
+def test_dripping_headers_end_the_sample_within_the_request_timeouts() -> None:
     server = LoopbackServer([drip(b"HTTP/1.1 200 OK\r\nX-Slow: ")], repeat_last=True)
-    s, took = roll(server, transport, engine_request_timeout=0.6, engine_retry_attempts=2, engine_retry_deadline=30.0)
+    s, took = roll(server, engine_request_timeout=0.6, engine_retry_attempts=2, engine_retry_deadline=30.0)
     assert s.status == Sample.Status.ABORTED and meta(s)["termination_reason"] == "request_failed"
     assert "RequestTimeout" in meta(s)["engine_error"]
     assert len(server.generates) == 2
     assert 2 * 0.6 <= took < 2 * 0.6 + SLACK  # each attempt cut at 0.6 s although a byte came every 0.05 s
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_body_dripping_under_a_huge_content_length_is_cut_by_the_retry_deadline(transport: str) -> None:
+def test_a_body_dripping_under_a_huge_content_length_is_cut_by_the_retry_deadline() -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500000000\r\n\r\n{"  # under the size cap
     server = LoopbackServer([drip(head, b" ")], repeat_last=True)
     # The request timeout alone would allow 60 s; the retry deadline bounds the attempt in flight.
-    s, took = roll(server, transport, engine_request_timeout=60.0, engine_retry_attempts=5, engine_retry_deadline=1.0)
+    s, took = roll(server, engine_request_timeout=60.0, engine_retry_attempts=5, engine_retry_deadline=1.0)
     assert s.status == Sample.Status.ABORTED and meta(s)["termination_reason"] == "request_failed"
     assert "RequestTimeout" in meta(s)["engine_error"]
     assert len(server.generates) == 1
@@ -95,47 +85,42 @@ def chunked(body: bytes, piece: int = 65536) -> Handler:
     return handler
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_reply_declaring_more_than_the_size_cap_is_refused_before_it_is_read(transport: str) -> None:
+def test_a_reply_declaring_more_than_the_size_cap_is_refused_before_it_is_read() -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n{"
     server = LoopbackServer([drip(head, b" ")], repeat_last=True)
-    s, took = roll(server, transport, engine_request_timeout=60.0, engine_retry_deadline=30.0)
+    s, took = roll(server, engine_request_timeout=60.0, engine_retry_deadline=30.0)
     assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
     assert "HTTP 200 reply declared 10000000000 bytes, over engine_max_reply_bytes=1073741824" in meta(s)["engine_error"]
     assert len(server.generates) == 1 and took < SLACK  # not retried, not waited on
     assert s.response_length == 0
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_chunked_reply_running_past_the_size_cap_is_cut_there(transport: str) -> None:
+def test_a_chunked_reply_running_past_the_size_cap_is_cut_there() -> None:
     big = json.dumps({"text": "x" * (3 << 20)}).encode()  # 3 MiB, cap 1 MiB
     server = LoopbackServer([chunked(big)], repeat_last=True)
-    s, _ = roll(server, transport, engine_max_reply_bytes=1 << 20)
+    s, _ = roll(server, engine_max_reply_bytes=1 << 20)
     assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
     assert "HTTP 200 reply ran past 1048576 bytes" in meta(s)["engine_error"]
     assert len(server.generates) == 1
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_chunked_reply_under_the_size_cap_is_read_whole(transport: str) -> None:
+def test_a_chunked_reply_under_the_size_cap_is_read_whole() -> None:
     server = LoopbackServer([chunked(json.dumps(ANSWER).encode(), piece=7)], repeat_last=True)
-    s, _ = roll(server, transport, engine_max_reply_bytes=1 << 16)
+    s, _ = roll(server, engine_max_reply_bytes=1 << 16)
     assert s.status == Sample.Status.COMPLETED and s.response.endswith("\\boxed{1}<|im_end|>")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_retry_after_in_seconds_is_honoured(transport: str) -> None:
+def test_retry_after_in_seconds_is_honoured() -> None:
     busy = send(503, {"object": "error", "message": "The request queue is full.", "code": 503}, {"Retry-After": "1"})
     server = LoopbackServer([busy, send(200, ANSWER)])
-    s, _ = roll(server, transport, engine_retry_base_delay=0.01)
+    s, _ = roll(server, engine_retry_base_delay=0.01)
     assert s.status == Sample.Status.COMPLETED
     first, second = server.generates
     assert 1.0 <= second.at - first.at < 1.0 * 1.1 + SLACK  # not the 0-10 ms backoff the settings give
     assert first.body == second.body  # the same bytes again
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_retry_after_as_an_http_date_is_honoured(transport: str) -> None:
+def test_retry_after_as_an_http_date_is_honoured() -> None:
     def until(seconds: float):
         async def handler(writer):
             when = email.utils.formatdate(time.time() + seconds, usegmt=True)
@@ -143,57 +128,52 @@ def test_retry_after_as_an_http_date_is_honoured(transport: str) -> None:
         return handler
 
     server = LoopbackServer([until(2.0), send(200, ANSWER)])
-    s, _ = roll(server, transport, engine_retry_base_delay=0.01)
+    s, _ = roll(server, engine_retry_base_delay=0.01)
     assert s.status == Sample.Status.COMPLETED
     first, second = server.generates
     assert 1.0 <= second.at - first.at < 2.0 * 1.1 + SLACK  # HTTP dates have whole seconds
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_retry_after_past_the_retry_deadline_gives_up_at_once_with_the_status(transport: str) -> None:
+def test_retry_after_past_the_retry_deadline_gives_up_at_once_with_the_status() -> None:
     server = LoopbackServer([send(503, {"object": "error", "message": "busy", "code": 503}, {"Retry-After": "120"})])
-    s, took = roll(server, transport, engine_retry_deadline=3.0)
+    s, took = roll(server, engine_retry_deadline=3.0)
     assert s.status == Sample.Status.ABORTED and meta(s)["termination_reason"] == "request_failed"
     error = meta(s)["engine_error"]
     assert "HTTP 503" in error and "asked for 120s" in error
     assert len(server.generates) == 1 and took < SLACK
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("status", [301, 302, 307, 308])
-def test_a_redirect_is_reported_as_one_and_not_followed(transport: str, status: int) -> None:
+def test_a_redirect_is_reported_as_one_and_not_followed(status: int) -> None:
     server = LoopbackServer([send(status, b"", {"Location": "http://elsewhere.invalid/generate"})])
-    s, _ = roll(server, transport)
+    s, _ = roll(server)
     assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
     error = meta(s)["engine_error"]
     assert f"HTTP {status} redirect to 'http://elsewhere.invalid/generate'" in error
     assert len(server.generates) == 1
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("status, reason", [(404, "request_rejected"), (500, "request_failed"), (429, "request_failed")])
-def test_every_http_failure_records_its_status(transport: str, status: int, reason: str) -> None:
+def test_every_http_failure_records_its_status(status: int, reason: str) -> None:
     server = LoopbackServer([send(status, b"nope")], repeat_last=True)
-    s, _ = roll(server, transport)
+    s, _ = roll(server)
     assert meta(s)["termination_reason"] == reason
     assert f"HTTP {status}: nope" in meta(s)["engine_error"]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_the_servers_smaller_vocabulary_narrows_the_id_bound(transport: str) -> None:
+def test_the_servers_smaller_vocabulary_narrows_the_id_bound() -> None:
     ids = encode("Answer: \\boxed{1}") + [IM_END]
     bound = max(ids)  # the served model says ids stop below <|im_end|>: that id is now out of range
     server = LoopbackServer([send(200, reply_body(ids))], info={"model_path": "m", "vocab_size": bound})
-    s, _ = roll(server, transport)
+    s, _ = roll(server)
     assert s.status == Sample.Status.ABORTED and meta(s)["termination_reason"] == "ids_out_of_vocab"
     assert [x.path for x in server.seen][:1] == ["/model_info"]
     assert s.response_length == 0 and s.rollout_log_probs == []
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_well_behaved_server_completes_on_each_transport(transport: str) -> None:
+def test_a_well_behaved_server_completes() -> None:
     server = LoopbackServer([send(200, ANSWER)])
-    s, _ = roll(server, transport)
+    s, _ = roll(server)
     assert s.status == Sample.Status.COMPLETED
     (request,) = server.generates
     assert request.headers["content-type"] == "application/json"

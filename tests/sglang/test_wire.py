@@ -128,7 +128,7 @@ def generate(script: list, **args_kw) -> Sample:
     with respx.mock(assert_all_called=False) as mock:
         mock.post(URL + "/generate").mock(side_effect=server)
         # One attempt is judged: the caller re-queues (else a failed attempt is run again).
-        args = {"engine_http_transport": "httpx", "engine_abort_status": "aborted", **args_kw}
+        args = {"engine_abort_status": "aborted", **args_kw}
         run(slime.generate(make_args(**args), sample, dict(SAMPLING)))
     return sample
 

@@ -114,9 +114,6 @@ def make_args(**overrides: Any) -> argparse.Namespace:
         "engine_retry_attempts": 3,
         "engine_retry_deadline": 5.0,
         "engine_retry_base_delay": 0.01,
-        # httpx's own transport: respx mocks it, and a runtime left open makes no noise at exit
-        # (the transports themselves are tested in tests/sglang/).
-        "engine_http_transport": "httpx",
     }
     base.update(overrides)
     return argparse.Namespace(**base)

@@ -9,9 +9,9 @@ of its ids and logprobs once they are in the trajectory, and the turn's decoded 
 response text is made only when the sample ends) and what the HTTP client keeps for it (its
 prompt's ids, encoded once). Traced bytes (tracemalloc) of everything still alive, divided by
 the number of samples, are added to what one such sample's request holds while it waits for
-its reply, measured on a real loopback socket (`in_flight_request_bytes`: on the engine's own
-transport the body is made when written and held by nothing after; httpx and aiohttp hold it
-until the reply). The sum is compared with the raw size of the same ids, logprobs and mask
+its reply, measured on a real loopback socket (`in_flight_request_bytes`: the body is made
+when the transport writes it and held by nothing after). The sum is compared with the raw size
+of the same ids, logprobs and mask
 held as Python lists of boxed ints and floats, and judged against 320 KiB.
 """
 
@@ -34,7 +34,7 @@ from engine.config import EngineConfig, RetryPolicy
 from engine.local.bench.common import Figure, Sizes
 from engine.machine import actions as a
 from engine.machine.rollout import Inputs, Rollout, TurnScratch
-from engine.sglang.client import HttpPool, SGLangClient, resolve_transport
+from engine.sglang.client import HttpPool, SGLangClient
 from engine.sglang.wire import RequestBody, parse_reply
 
 TURN_TOKENS = 900  # model tokens per turn
@@ -148,17 +148,20 @@ class _Ids:
         self.response_ids = array("i", [100000 + i % 50000 for i in range(tokens)])
 
 
-def in_flight_request_bytes(transport: str, tokens: int = 32768, repeats: int = 3) -> tuple[float, int]:
+def in_flight_request_bytes(tokens: int = 32768, repeats: int = 3, hook: Any = None) -> tuple[float, int]:
     """Traced bytes the client holds while one sample's `/generate` request waits for its reply
     (median of `repeats`), and the size of that request's body.
 
-    The request goes through `SGLangClient.generate` on `transport` to a `DrainingServer`; the
-    bytes are counted once the server has read the whole body and before it answers.
+    The request goes through `SGLangClient.generate` to a `DrainingServer`; the bytes are counted
+    once the server has read the whole body and before it answers. `hook`: an httpx request
+    event hook to register (hooks see the body's bytes, so then they are kept).
     """
     server = DrainingServer()
 
     async def main() -> list[int]:
-        pool = HttpPool(4, httpx.Timeout(30.0), transport=transport)
+        pool = HttpPool(4, httpx.Timeout(30.0))
+        if hook is not None:
+            pool.add_event_hook("request", hook)
         client = SGLangClient(server.url, pool, RetryPolicy(), vocab_size=200000)
         ids, held = _Ids(tokens), []
         try:
@@ -229,15 +232,14 @@ def memory_figure(sizes: Sizes) -> Figure:
         without_reply = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
-    transport = resolve_transport(EngineConfig().http_transport)
-    in_flight, body = in_flight_request_bytes(transport, tokens)
+    in_flight, body = in_flight_request_bytes(tokens)
     per_sample = (after - before) / n + in_flight
     one = samples[0]
     traj = one.traj
     arrays = sum(x.buffer_info()[1] * x.itemsize for x in (traj.prompt_ids, traj.response_ids, traj.logprobs))
     raw = list_bytes(traj.response_ids.tolist(), traj.logprobs.tolist(), traj.loss_mask.tolist())
     return Figure(
-        "memory", f"bytes per in-flight sample, {tokens}-token response, its request waiting on {transport} ({n} samples)",
+        "memory", f"bytes per in-flight sample, {tokens}-token response, its request waiting ({n} samples)",
         per_sample, "B", float(raw), "ids+logprobs+mask as Python lists", "value", "<=", float(320 << 10), 1,
         {"array_payload_bytes": arrays, "in_flight_request_bytes": in_flight, "request_body_bytes": body,
          "encoded_prompt_bytes": (after - without_prompt) / n, "last_turn_bytes": (without_prompt - without_reply) / n,

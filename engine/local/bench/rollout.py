@@ -5,15 +5,16 @@ sample (the bytes put on the wire, decoded back to the payload dicts), so prompt
 `input_ids`, sampling params and the routing header are identical. Each floor does what any
 client must and nothing else (no machine, no reply parsing, no tokenizer):
 
-- the bare httpx loop: `post(json=...)` on the engine's own sharded httpx pool, body read;
-- the bare loop on the chosen transport: the same loop on the pool `engine_http_transport`
-  gives the engine (the engine's own `asyncio` client by default);
+- the bare httpx loop: `post(json=...)` on httpx's own client and transport (httpcore), as
+  many small clients of 4 connections each (httpcore's pool does work per request that grows
+  with its size: this is the fastest way to use it);
+- the bare loop on the engine's pool: the same loop on the engine's own `HttpPool` (httpx's
+  client over the engine's transport), so it and the engine differ by the engine's work alone;
 - the bare aiohttp loop: aiohttp's own client, bodies encoded once: the fastest general client.
 
 Both engine and floors hold their concurrency slot for a whole sample, as slime's semaphore
 does; every side runs once per repeat, in an order rotated repeat by repeat so drift on a
-shared machine does not always favour the same side. The engine also runs on every other
-transport installed, so the table shows what each one gives.
+shared machine does not always favour the same side.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,34 +30,29 @@ from typing import Any
 import attrs
 import httpx
 
+from engine.aio import Gate
 from engine.config import EngineConfig
 from engine.local.bench.common import Figure, Sizes, instant_interpreter, median
 from engine.local.bench.server import ROUTING_HEADER, CannedServer
 from engine.local.sample import Sample
 from engine.loop.runtime import Runtime, full_collections
-from engine.sglang.client import make_http_client, resolve_transport
+from engine.sglang.client import make_http_client
 from engine.slime import run_sample
 from engine.slime.sample_io import engine_metadata
 
 PROMPT = "What is 0.5 + 0.5? Check it with Python before you answer."
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1024, "no_stop_trim": True, "skip_special_tokens": False}
 ENGINE, BARE_HTTPX, BARE_CHOSEN, BARE_AIOHTTP = "engine", "bare_httpx", "bare_chosen", "bare_aiohttp"
-ENGINE_ON = {  # the engine on another transport than the chosen one
-    f"engine_{transport}": transport for transport in ("httpx", "aiohttp", "aiohttp_direct", "asyncio")
-}
+TRANSPORT = "httpx over the engine's transport"  # what the engine's requests go through
+HTTPX_SHARD = 4  # connections per client of the bare httpx loop
 
 
-def bench_config(url: str, *, turns: int, connections: int, tool_concurrency: int = 32, transport: str = "auto") -> EngineConfig:
+def bench_config(url: str, *, turns: int, connections: int, tool_concurrency: int = 32) -> EngineConfig:
     """Settings that let every sample take exactly `turns` turns (T-1 tool calls, then the answer)."""
     return EngineConfig(
         server_url=url, profile="retool", max_turns=turns, max_tool_calls=max(turns, 1),
-        max_connections=connections, tool_concurrency=tool_concurrency, http_transport=transport,
+        max_connections=connections, tool_concurrency=tool_concurrency,
     )
-
-
-def chosen_transport() -> str:
-    """The transport the default setting gives the engine here."""
-    return resolve_transport(EngineConfig().http_transport)
 
 
 @attrs.define
@@ -133,9 +130,8 @@ async def run_floor(http: Any, url: str, payloads: list[dict[str, Any]], server:
                     n: int, concurrency: int, tag: str, *, connections: int, tick: bool = False) -> Run:
     """The same request sequence per sample with nothing but the HTTP client: post, read, next turn.
 
-    `http` is an `HttpPool` from the engine's own `make_http_client`, so a floor and the engine
-    on the same transport differ by the engine's work alone. The body is `json=`, as a user
-    writes it first.
+    `http` is the engine's own `HttpPool` or an `HttpxFloor`: anything with an httpx-style
+    `post`. The body is `json=`, as a user writes it first.
     """
     slots = asyncio.Semaphore(concurrency)
     errors = 0
@@ -153,6 +149,32 @@ async def run_floor(http: Any, url: str, payloads: list[dict[str, Any]], server:
 
     wall, cpu, server_cpu, stall, _ = await _timed(server, work, tick=tick)
     return Run(wall, cpu, server_cpu, n, {"OK": n} if not errors else {"HTTP_ERRORS": errors}, errors=errors, max_stall=stall)
+
+
+class HttpxFloor:
+    """httpx's own client and transport, as many small clients: `post` on one with a free connection."""
+
+    def __init__(self, connections: int, timeout: httpx.Timeout) -> None:
+        count = max(1, math.ceil(connections / HTTPX_SHARD))
+        limits = httpx.Limits(max_connections=HTTPX_SHARD, max_keepalive_connections=HTTPX_SHARD)
+        self.clients = [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) for _ in range(count)]
+        self._free = [i for i in range(count) for _ in range(HTTPX_SHARD)]  # one entry per connection
+        self._gate = Gate(len(self._free))
+
+    async def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        """`post` on a client with a free connection (the last freed first: its connection is warm)."""
+        await self._gate.acquire()
+        shard = self._free.pop()
+        try:
+            return await self.clients[shard].post(url, **kwargs)
+        finally:
+            self._free.append(shard)
+            self._gate.release()
+
+    async def aclose(self) -> None:
+        """Close every client."""
+        for client in self.clients:
+            await client.aclose()
 
 
 class AiohttpFloor:
@@ -199,9 +221,8 @@ async def capture_requests(cfg: EngineConfig, tokenizer: Any, tag: str) -> list[
     captured: list[bytes] = []
 
     async def keep(request: httpx.Request) -> None:
-        captured.append(request.content)  # bodies are bytes before hooks run
+        captured.append(await request.aread())
 
-    cfg = attrs.evolve(cfg, http_transport="httpx")  # the same bytes on any transport; httpx has the hooks
     http = make_http_client(cfg)
     http.add_event_hook("request", keep)
     rt = Runtime.create(cfg, tokenizer=tokenizer, http=http)
@@ -221,41 +242,24 @@ class Sides:
 
     runs: dict[str, list[Run]]
     requests_per_sample: int
-    transport: str  # the chosen one
 
 
-def side_names(transport: str) -> list[str]:
-    """The engine on the chosen transport and on each other one installed, and the three floors."""
-    others = [name for name, t in ENGINE_ON.items() if t != transport and _installed(t)]
-    floors = [BARE_HTTPX] + ([BARE_CHOSEN] if transport != "httpx" else []) + [BARE_AIOHTTP]
-    return [ENGINE, *others, *floors]
-
-
-def _installed(transport: str) -> bool:
-    try:
-        resolve_transport(transport)
-    except ValueError:
-        return False
-    return True
+SIDES = [ENGINE, BARE_HTTPX, BARE_CHOSEN, BARE_AIOHTTP]
 
 
 async def measure_sides(server: CannedServer, tokenizer: Any, *, scenario: str, samples: int, turns: int,
                         concurrency: int, connections: int, repeats: int, tick: bool,
                         sides: list[str] | None = None) -> Sides:
     """Warm every side, then run each once per repeat in a rotated order."""
-    chosen = chosen_transport()
-    names = sides or side_names(chosen)
-    cfg = bench_config(server.url(scenario), turns=turns, connections=connections, transport=chosen)
-    cfg_httpx = attrs.evolve(cfg, http_transport="httpx")
+    names = sides or SIDES
+    cfg = bench_config(server.url(scenario), turns=turns, connections=connections)
     payloads = await capture_requests(cfg, tokenizer, f"{scenario}-w")
     if len(payloads) != turns:
         raise RuntimeError(f"the warm-up sample sent {len(payloads)} requests, expected {turns}")
     url = cfg.server_url + "/generate"
     engines = {ENGINE: Runtime.create(cfg, tokenizer=tokenizer)}
-    for name, transport in ENGINE_ON.items():
-        if name in names:
-            engines[name] = Runtime.create(attrs.evolve(cfg, http_transport=transport), tokenizer=tokenizer)
-    pools = {BARE_HTTPX: make_http_client(cfg_httpx), BARE_CHOSEN: make_http_client(cfg)}
+    timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
+    pools: dict[str, Any] = {BARE_HTTPX: HttpxFloor(connections, timeout), BARE_CHOSEN: make_http_client(cfg)}
     aio = AiohttpFloor(connections)
 
     async def run_side(name: str, n: int, tag: str, ticking: bool) -> Run:
@@ -266,7 +270,7 @@ async def measure_sides(server: CannedServer, tokenizer: Any, *, scenario: str, 
         return await run_floor(pools[name], url, payloads, server, n, concurrency, tag, connections=connections,
                                tick=ticking)
 
-    result = Sides({name: [] for name in names}, len(payloads), chosen)
+    result = Sides({name: [] for name in names}, len(payloads))
     try:
         for name in names:  # open the connections every side will reuse
             await run_side(name, min(samples, concurrency), f"{scenario}-w{name}", False)
@@ -307,29 +311,24 @@ async def rollout_figures(server: CannedServer, tokenizer: Any, sizes: Sizes) ->
         )
     s = {name: _summary(runs, sizes.turns) for name, runs in sides.runs.items()}
     engine, httpx_floor, aio = s[ENGINE], s[BARE_HTTPX], s[BARE_AIOHTTP]
-    chosen = s.get(BARE_CHOSEN, httpx_floor)
+    chosen = s[BARE_CHOSEN]
     shape = f"{sizes.samples} samples x {sizes.turns} turns, concurrency {sizes.concurrency}"
-    t = sides.transport
     cpu = "cpu_us_per_turn"
     figures = [
-        Figure("rollout_cpu_per_turn", f"engine CPU per turn ({t} transport; {shape})", engine[cpu], "us",
+        Figure("rollout_cpu_per_turn", f"engine CPU per turn ({TRANSPORT}; {shape})", engine[cpu], "us",
                httpx_floor[cpu], "bare httpx loop", "ratio", "<=", 0.5, sizes.repeats,
-               {"engine_only_us_per_turn": engine[cpu] - chosen[cpu], "transport": t}),
+               {"engine_only_us_per_turn": engine[cpu] - chosen[cpu], "transport": TRANSPORT}),
         Figure("rollout_cpu_vs_aiohttp", "engine CPU per turn against the fastest general client", engine[cpu], "us",
                aio[cpu], "bare aiohttp loop", "ratio", "<=", 2.0, sizes.repeats),
         Figure("rollout_throughput", "rollout throughput", engine["samples_per_s"], "samples/s",
                httpx_floor["samples_per_s"], "bare httpx loop", "ratio", ">=", 0.8, sizes.repeats,
                {name: {k: v for k, v in summary.items() if k != "samples"} for name, summary in s.items()}),
-        Figure("floor_chosen", f"floor: bare loop on the {t} transport", chosen[cpu], "us", httpx_floor[cpu],
+        Figure("floor_chosen", "floor: bare loop on the engine's pool (httpx's client, the engine's transport)",
+               chosen[cpu], "us", httpx_floor[cpu],
                "bare httpx loop", None, None, None, sizes.repeats),
         Figure("floor_aiohttp", "floor: bare aiohttp loop (bodies encoded once)", aio[cpu], "us", httpx_floor[cpu],
                "bare httpx loop", None, None, None, sizes.repeats),
     ]
-    for name, transport in reversed(ENGINE_ON.items()):
-        if name in s:
-            figures.insert(3, Figure(f"rollout_cpu_{transport}", f"engine CPU per turn on the {transport} transport",
-                                     s[name][cpu], "us", httpx_floor[cpu], "bare httpx loop", None, None, None,
-                                     sizes.repeats))
     return figures
 
 
@@ -345,18 +344,17 @@ async def scale_figure(server: CannedServer, tokenizer: Any, sizes: Sizes, repea
     figures = []
     turns = sizes.scale_turns
     for n in sizes.scale_samples:
-        chosen = chosen_transport()
-        names = [ENGINE, BARE_HTTPX] + ([BARE_CHOSEN] if chosen != "httpx" else [])
+        names = [ENGINE, BARE_HTTPX, BARE_CHOSEN]
         with instant_interpreter():
             sides = await measure_sides(
                 server, tokenizer, scenario="scale", samples=n, turns=turns, concurrency=n,
                 connections=sizes.concurrency, repeats=repeats, tick=True, sides=names,
             )
         s = {name: _summary(runs, turns) for name, runs in sides.runs.items()}
-        same = s.get(BARE_CHOSEN, s[BARE_HTTPX])
+        same = s[BARE_CHOSEN]
         figures.append(Figure(
-            f"scale_stall_{n}", f"longest loop stall, {n} samples in flight ({turns} turns, {chosen})",
-            s[ENGINE]["max_stall_ms"], "ms", same["max_stall_ms"], f"bare loop on {chosen}", "ratio", "<=", 1.0,
+            f"scale_stall_{n}", f"longest loop stall, {n} samples in flight ({turns} turns)",
+            s[ENGINE]["max_stall_ms"], "ms", same["max_stall_ms"], "bare loop on the engine's pool", "ratio", "<=", 1.0,
             repeats, {"bare_httpx_stall_ms": s[BARE_HTTPX]["max_stall_ms"],
                       **{name: {k: v for k, v in summary.items() if k != "samples"} for name, summary in s.items()}},
         ))

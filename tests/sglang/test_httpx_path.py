@@ -1,0 +1,101 @@
+"""One HTTP path: httpx's client over the engine's transport, the same in production and under respx."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import httpx
+import respx
+
+from engine import slime
+from engine.config import EngineConfig
+from engine.local.sample import Sample
+from engine.sglang.client import HttpPool, make_http_client
+from engine.sglang.http1 import AsyncioTransport, BodyStream
+from tests.conftest import run
+from tests.sglang.loopback import LoopbackServer, send
+from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, turn
+
+ENGINE = Path(__file__).resolve().parents[2] / "engine"
+
+
+def test_the_pool_is_httpx_s_client_over_the_engine_s_transport() -> None:
+    async def build() -> HttpPool:
+        pool = make_http_client(EngineConfig())
+        await pool.aclose()
+        return pool
+
+    pool = asyncio.run(build())
+    assert isinstance(pool.client, httpx.AsyncClient) and isinstance(pool.transport, AsyncioTransport)
+    assert pool.client.follow_redirects is False and pool.client.trust_env is False
+
+
+def test_respx_mocks_above_the_transport_on_the_production_path(fake_interpreter, monkeypatch) -> None:
+    """respx replaces only what the client's transport would do: the request is built, sent
+    and read by the same code as in production, its body made from the same body source."""
+    server = ScriptedServer([turn("<code>\nprint(1)\n</code>"), turn("Answer: \\boxed{1}")])
+    sample = Sample(prompt="What is 1?", label="1")
+    streams: list[object] = []
+    send_real = httpx.AsyncClient.send
+
+    async def spy(self: httpx.AsyncClient, request: httpx.Request, **kw: object) -> httpx.Response:
+        streams.append(type(request.stream))
+        return await send_real(self, request, **kw)
+
+    written: list[object] = []
+    monkeypatch.setattr(httpx.AsyncClient, "send", spy)
+    monkeypatch.setattr(AsyncioTransport, "handle_async_request", lambda *a: written.append(a))
+    with respx.mock(assert_all_called=False) as mock:
+        mock.post(URL + "/generate").mock(side_effect=server)
+        run(slime.generate(make_args(), sample, dict(SAMPLING)))
+    assert sample.status == Sample.Status.COMPLETED and len(server.requests) == 2
+    first, second = server.requests
+    assert second["input_ids"][: len(first["input_ids"])] == first["input_ids"]  # the second turn continues the first
+    assert BodyStream in streams  # the /generate bodies were the production body sources
+    assert written == []  # nothing reached the transport: respx answered above it
+
+
+def test_no_production_code_asks_about_a_test_library() -> None:
+    asks = re.compile(r"import respx|from respx|[\'\"]respx[\'\"]")  # an import, or a look in sys.modules
+    offenders = [str(p.relative_to(ENGINE)) for p in ENGINE.rglob("*.py") if asks.search(p.read_text())]
+    assert offenders == []
+
+
+def test_httpx_event_hooks_see_every_request_and_reply() -> None:
+    """The soak's wire recorder and the bench's request capture are httpx hooks."""
+    seen: list[tuple[str, object]] = []
+
+    async def on_request(request: httpx.Request) -> None:
+        seen.append(("request", request.content))
+
+    async def on_response(response: httpx.Response) -> None:
+        seen.append(("response", (response.status_code, await response.aread(), response.request.headers["x-k"])))
+
+    async def go() -> None:
+        async with LoopbackServer([send(200, b'{"a": 1}', {"X-Y": "z"})]) as server:
+            pool = HttpPool(4, httpx.Timeout(5.0))
+            pool.add_event_hook("request", on_request)
+            pool.add_event_hook("response", on_response)
+            response = await pool.post(server.url + "/generate", content=lambda: b"{}", headers={"X-K": "v"}, limit=5.0)
+            await pool.aclose()
+            assert (response.status_code, response.content, response.headers.get("x-y")) == (200, b'{"a": 1}', "z")
+
+    asyncio.run(go())
+    assert seen == [("request", b"{}"), ("response", (200, b'{"a": 1}', "v"))]
+
+
+def test_cookies_a_server_sets_are_never_sent_back() -> None:
+    async def go() -> list[dict[str, str]]:
+        cookie = {"Set-Cookie": "session=abc; Path=/"}
+        async with LoopbackServer([send(200, b"{}", cookie), send(200, b"{}", cookie)]) as server:
+            pool = HttpPool(4, httpx.Timeout(5.0))
+            for _ in range(2):
+                assert (await pool.post(server.url + "/generate", content=b"{}")).status_code == 200
+            await pool.aclose()
+            return [s.headers for s in server.generates]
+
+    first, second = asyncio.run(go())
+    assert "cookie" not in first and "cookie" not in second
+
