@@ -45,19 +45,18 @@ PR_SET_CHILD_SUBREAPER = 36
 MAX_FDS = 5  # stdin, stdout, stderr, code, and the uid lease lock (held until cleaned up)
 
 
-def _import_child() -> types.ModuleType:
-    """`child.py` from this directory, without leaving the directory on `sys.path`."""
+def _import_here(name: str) -> types.ModuleType:
+    """`<name>.py` from this directory, without leaving the directory on `sys.path`."""
     sys.path.insert(0, HERE)
     try:
-        import child
-
-        return child
+        return __import__(name)
     finally:
         sys.path.remove(HERE)
         sys.path_importer_cache.pop(HERE, None)
 
 
-child = _import_child()
+child = _import_here("child")
+confine = _import_here("confine")  # Landlock and seccomp, the layers that need no privilege
 
 
 def send(ctl: socket.socket, message: dict[str, Any]) -> None:
@@ -128,7 +127,7 @@ def _finish(rc: int, atexit: Any) -> int:  # pragma: no cover - runs in the chil
 class Zygote:
     """The serving loop: requests from the engine, exits of runs and helpers."""
 
-    def __init__(self, ctl: socket.socket) -> None:
+    def __init__(self, ctl: socket.socket, layers: dict[str, Any]) -> None:
         self.ctl = ctl
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, None)
@@ -143,6 +142,8 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
         self.sel.register(self.wake_r, selectors.EVENT_READ, "sigchld")
         self.templates: dict[str, int | None] = {}  # hide + expose -> the template mount namespace
+        self.layers = layers  # what the kernel offers (confine.kernel_layers)
+        self.prepared: dict[str, dict[str, Any]] = {}  # the layers per kind of run, built once
         self.holders: list[int] = []  # the processes keeping the templates alive
 
     def template(self, cfg: dict[str, Any]) -> int | None:
@@ -251,6 +252,11 @@ class Zygote:
         template = self.template(run["cfg"]) if run["cfg"]["mntns"] else None
         if template is not None:
             run["cfg"] = dict(run["cfg"], template=template)
+        cfg = run["cfg"]
+        key = json.dumps([cfg.get(k) for k in ("landlock", "seccomp", "mntns")] + [cfg["uid"] is None])
+        if key not in self.prepared:  # the BPF program and the Landlock rights: once, not per run
+            self.prepared[key] = confine.prepare(cfg, self.layers)
+        run["layers"] = self.prepared[key]
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             self.become_run(run)
@@ -278,14 +284,16 @@ class Zygote:
             if keep is not None:
                 os.closerange(keep + 1, 1 << 20)
             child.enter(cfg, sys.path)
-            if cfg["probe"]:
-                os._exit(0)
             script = os.path.join(cfg["workdir"], "main.py")
-            with open(script, "wb") as f:  # tracebacks show its lines, as for any script
-                f.write(code)
+            if not cfg["probe"]:
+                with open(script, "wb") as f:  # tracebacks show its lines, as for any script
+                    f.write(code)
             os.environ.clear()
             os.environ.update(cfg["env"])
             child.set_limits(cfg)
+            confine.apply(run["layers"], cfg["workdir"])  # last: Landlock, then seccomp
+            if cfg["probe"]:
+                os._exit(0)
         except BaseException as e:  # noqa: BLE001 - whatever failed, the engine must hear of it
             os.write(2, f"{cfg['nonce']} {type(e).__name__}: {e}\n".encode())
             os._exit(child.SETUP_FAILED)
@@ -382,11 +390,13 @@ def main() -> None:
             preloaded.append(name)
         except Exception:  # noqa: BLE001 - a missing optional module only costs its import later
             failed.append(name)
+    layers = confine.kernel_layers()
     threads = len(os.listdir("/proc/self/task"))
-    send(ctl, {"event": "ready", "pid": os.getpid(), "threads": threads, "preloaded": preloaded, "failed": failed})
+    send(ctl, {"event": "ready", "pid": os.getpid(), "threads": threads, "preloaded": preloaded, "failed": failed,
+               "layers": layers})
     if threads != 1:
         return  # forking a threaded process could copy a held lock: the engine reports it
-    Zygote(ctl).serve()
+    Zygote(ctl, layers).serve()
 
 
 if __name__ == "__main__":
