@@ -264,8 +264,9 @@ def reroute_import_paths(sys_path: list[str], held: dict[str, int]) -> None:
             sys_path[i] = f"/proc/self/fd/{fd}"
 
 
-def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
-    """Turn this freshly forked process into the run's sandbox (see the module docstring)."""
+def enter(cfg: dict[str, Any], sys_path: list[str], before_drop: Any = None) -> None:
+    """Turn this freshly forked process into the run's sandbox (see the module docstring).
+    `before_drop()` runs in the run's final mount namespace, before the uid drop."""
     lib = libc()
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD, signal.SIGHUP):
@@ -291,6 +292,8 @@ def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
         os.mkdir(cfg["workdir"], 0o700)
         if uid is not None:
             os.chown(cfg["workdir"], uid, uid)
+    if before_drop is not None:
+        before_drop()
     if uid is not None:
         become(uid)
         try:  # leftovers of a crashed engine that held this uid before us

@@ -145,46 +145,55 @@ def prepare(cfg: dict[str, Any], layers: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def apply(prepared: dict[str, Any], workdir: str) -> None:
+def hold(prepared: dict[str, Any]) -> list[tuple[int, int, str]]:
+    """In the child, before it drops its uid: O_PATH descriptors of the paths to grant (a
+    uid of the run's own may not search the way to an interpreter under /root)."""
+    held = []
+    for path, rights in prepared["rules"] if prepared["abi"] else ():
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue  # a path this host lacks: nothing to grant
+        held.append((fd, rights if os.path.isdir(path) else rights & FS_FILE_ONLY, path))
+    return held
+
+
+def apply(prepared: dict[str, Any], held: list[tuple[int, int, str]], workdir: str) -> None:
     """In the child, last before the model's code: restrict itself with Landlock, then
     install the seccomp filter. Raises OSError when a layer the kernel offers fails."""
     lib = _libc()
     if prepared["abi"]:
-        _landlock(lib, prepared, workdir)
+        extra = [(f"/proc/{os.getpid()}", FS_READ_FILE | FS_READ_DIR), (workdir, prepared["fs"])]
+        for path, rights in extra:  # its own /proc entries (read), and its work dir (everything)
+            held.append((os.open(path, os.O_PATH | os.O_CLOEXEC), rights, path))
+        _landlock(lib, prepared, held)
     if prepared["bpf"] is not None:
         _seccomp(lib, prepared["bpf"])
 
 
-def _landlock(lib: Any, prepared: dict[str, Any], workdir: str) -> None:
+def _landlock(lib: Any, prepared: dict[str, Any], held: list[tuple[int, int, str]]) -> None:
     abi, fs = prepared["abi"], prepared["fs"]
     attr = struct.pack("=QQQ", fs, prepared["net"], prepared["scoped"])
     size = 24 if abi >= 6 else 16 if abi >= 4 else 8
     buf = ctypes.create_string_buffer(attr[:size], size)
     ruleset = int(lib.syscall(SYS_LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(size), ctypes.c_uint32(0)))
-    if ruleset < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
     try:
-        own = f"/proc/{os.getpid()}"  # this process's own /proc entries, read-only
-        for path, rights in [*prepared["rules"], (own, FS_READ_FILE | FS_READ_DIR), (workdir, fs)]:
-            try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except OSError:
-                continue  # a path this host lacks: nothing to grant
-            try:
-                if not os.path.isdir(path):
-                    rights &= FS_FILE_ONLY
-                rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)
-                if lib.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, rule, 0) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"landlock_add_rule {path}: {os.strerror(err)}")
-            finally:
-                os.close(fd)
+        if ruleset < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
+        for fd, rights, path in held:
+            rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)
+            if lib.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, rule, 0) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"landlock_add_rule {path}: {os.strerror(err)}")
         if lib.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"landlock_restrict_self: {os.strerror(err)}")
     finally:
-        os.close(ruleset)
+        for fd, _, _ in held:
+            os.close(fd)
+        if ruleset >= 0:
+            os.close(ruleset)
 
 
 class _SockFprog(ctypes.Structure):

@@ -283,7 +283,8 @@ class Zygote:
             os.closerange(3, keep if keep is not None else 1 << 20)  # only stdio remains: no way back
             if keep is not None:
                 os.closerange(keep + 1, 1 << 20)
-            child.enter(cfg, sys.path)
+            held: list[tuple[int, int, str]] = []
+            child.enter(cfg, sys.path, lambda: held.extend(confine.hold(run["layers"])))
             script = os.path.join(cfg["workdir"], "main.py")
             if not cfg["probe"]:
                 with open(script, "wb") as f:  # tracebacks show its lines, as for any script
@@ -291,7 +292,7 @@ class Zygote:
             os.environ.clear()
             os.environ.update(cfg["env"])
             child.set_limits(cfg)
-            confine.apply(run["layers"], cfg["workdir"])  # last: Landlock, then seccomp
+            confine.apply(run["layers"], held, cfg["workdir"])  # last: Landlock, then seccomp
             if cfg["probe"]:
                 os._exit(0)
         except BaseException as e:  # noqa: BLE001 - whatever failed, the engine must hear of it

@@ -174,14 +174,20 @@ async def read_root(lab: Lab) -> Verdict:
     code = f"""
 import os
 opened = {{name: attempt(lambda p: open(p, 'rb').close(), os.path.join('{home}', name)) for name in {files!r}}}
-report(listing=sorted(os.listdir('{home}')), opened=opened)
+try:
+    listing = sorted(os.listdir('{home}'))
+except OSError as e:
+    listing = err(e)  # refused outright: nothing listed
+report(listing=listing, opened=opened)
 """
     run = await lab.run(code)
     listing, opened = run.facts.get("listing"), run.facts.get("opened", {})
+    if isinstance(listing, str):
+        listing = [] if listing in DENIED else None
     extra = sorted(set(listing or []) - needed)
     readable = [n for n, e in opened.items() if e == "ok"]
-    contained = listing is not None and not extra and not readable
-    how = (f"tmpfs over {home}: lists {listing}; open -> {sorted(set(opened.values()))}" if contained
+    contained = listing is not None and not extra and not readable and all(e in DENIED for e in opened.values())
+    how = (f"{home} lists {listing}; open -> {sorted(set(opened.values()))}" if contained
            else f"not hidden: {len(extra)} entries visible, {len(readable)} files readable")
     return Verdict(contained, how, f"host {home} has {len(host)} entries ({len(files)} files); "
                    f"sandbox sees {len(listing or [])} (the interpreter's)")
@@ -236,7 +242,10 @@ async def network(lab: Lab) -> Verdict:
     code = f"""
 import socket
 def connect(family, address):
-    s = socket.socket(family)
+    try:
+        s = socket.socket(family)
+    except OSError as e:
+        return 'socket ' + err(e)  # refused before any address was tried
     s.settimeout(3)
     return attempt(s.connect, address)
 report(tcp=connect(socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})),
@@ -256,7 +265,8 @@ report(tcp=connect(socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})),
         unix.close()
     tries = {k: run.facts.get(k, "?") for k in ("tcp", "unix", "internet")}
     contained = not accepted and all(v not in ("ok", "?") for v in tries.values())
-    where = "network namespace" if contained else "not isolated"
+    where = ("seccomp: no sockets" if all(v.startswith("socket ") for v in tries.values())
+             else "network namespace") if contained else "not isolated"
     return Verdict(contained, f"{where}: connect 127.0.0.1 -> {tries['tcp']}",
                    f"abstract unix -> {tries['unix']}, 1.1.1.1:53 -> {tries['internet']}; "
                    f"engine accepted {accepted or 'nothing'}")
@@ -365,7 +375,12 @@ async def other_proc(lab: Lab) -> Verdict:
     code = f"""
 import os
 mine, foreign = [], []
-for name in filter(str.isdigit, os.listdir('/proc')):
+try:
+    names = os.listdir('/proc')
+except OSError as e:
+    names = []
+    report(listing=err(e))  # /proc cannot even be listed
+for name in filter(str.isdigit, names):
     try:
         with open(f'/proc/{{name}}/status') as f:
             uid = int(next(line for line in f if line.startswith('Uid:')).split()[1])
@@ -379,7 +394,8 @@ report(mine=len(mine), foreign=foreign[:20], init=attempt(open, '/proc/1/cmdline
     f = (await lab.run(code)).facts
     reads = {k: f.get(k, "?") for k in ("init", "engine", "mem")}
     contained = "mine" in f and not f.get("foreign") and all(v in DENIED for v in reads.values())
-    where = "own /proc (hidepid=2)" if contained else "not hidden"
+    where = ("Landlock: /proc not listable" if f.get("listing") else "own /proc (hidepid=2)") if contained \
+        else "not hidden"
     return Verdict(contained, f"{where}: /proc/1 -> {reads['init']}, /proc/<engine> -> {reads['engine']}",
                    f"sees its own {f.get('mine')} process(es) and {len(f.get('foreign', []))} others")
 

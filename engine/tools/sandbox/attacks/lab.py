@@ -21,7 +21,7 @@ import attrs
 from engine.tools.sandbox import runner as sandbox
 from engine.tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
 
-PROJECT = Path(__file__).resolve().parents[3]  # the checkout (or site-packages) holding `tools`
+PROJECT = Path(__file__).resolve().parents[4]  # the checkout (or site-packages) holding `engine`
 TIMEOUT_S = 5.0  # per attack run, unless the attack needs another
 
 

@@ -39,6 +39,7 @@ def all_attacks() -> list[tuple[str, AttackFn]]:
     from engine.tools.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
     from engine.tools.sandbox.attacks import isolation  # noqa: F401
     from engine.tools.sandbox.attacks import kernel  # noqa: F401
+    from engine.tools.sandbox.attacks import layers  # noqa: F401  (what Landlock and seccomp hold)
 
     return list(ATTACKS)
 
