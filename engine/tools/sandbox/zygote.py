@@ -377,6 +377,42 @@ class Zygote:
         self.reap()  # the zombies of what the helpers killed: not left to init
 
 
+MP_REFUSED = ("multiprocessing is not available in this sandbox: its locks need /dev/shm, which a run may not "
+              "write (shared memory outside the run's budget). Use threads, "
+              "concurrent.futures.ThreadPoolExecutor or subprocess instead.")
+
+
+class _ClearMultiprocessingError:
+    """A meta path finder that, once `multiprocessing.synchronize` is loaded, makes its
+    SemLock fail with `MP_REFUSED` instead of a bare EACCES/EROFS (every Lock, Queue and
+    Pool creates one). Installed in the zygote, so a run pays nothing for it."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "multiprocessing.synchronize":
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run_module(module)
+            original = module.SemLock.__init__
+
+            def init(self: Any, *args: Any, **kwargs: Any) -> None:
+                try:
+                    original(self, *args, **kwargs)
+                except OSError as e:
+                    raise PermissionError(e.errno, MP_REFUSED) from None
+
+            module.SemLock.__init__ = init
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
 def main() -> None:
     """Start-up: preload, check, say ready, serve."""
     start = json.loads(sys.argv[1])
@@ -392,6 +428,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - a missing optional module only costs its import later
             failed.append(name)
     layers = confine.kernel_layers()
+    sys.meta_path.insert(0, _ClearMultiprocessingError())
     threads = len(os.listdir("/proc/self/task"))
     send(ctl, {"event": "ready", "pid": os.getpid(), "threads": threads, "preloaded": preloaded, "failed": failed,
                "layers": layers})
