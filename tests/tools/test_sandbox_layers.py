@@ -43,7 +43,8 @@ def run(code: str) -> tuple[str, str]:
 # which the mount namespace keeps read-only but visible): only Landlock refuses it.
 READ_ETC = """
 import os
-target = next(p for p in ('/etc/os-release', '/etc/hostname', '/etc/hosts') if os.path.isfile(p))
+target = next(p for p in ('/etc/hostname', '/etc/hosts', '/etc/fstab', '/etc/debian_version')
+              if os.path.isfile(p) and os.path.realpath(p).startswith('/etc/'))
 try:
     open(target).read()
     print('read')

@@ -300,17 +300,43 @@ class Zygote:
             os._exit(child.SETUP_FAILED)
         run_program(code, script)
 
-    def needs_clean(self, cfg: dict[str, Any]) -> bool:
+    def needs_clean(self, run: dict[str, Any]) -> bool:
         """Whether the run may have left anything: processes, keys, shared IPC objects, files."""
+        cfg = run["cfg"]
         if cfg["uid"] is None:
             return True  # its process group may be dying still, its working directory on the host
-        shared = not (cfg["mntns"] and cfg["ipcns"] and cfg["cgroups"])
-        return shared or child.cgroups_busy(cfg["cgroups"]) or child.key_state(cfg["uid"]) != ""
+        if not cfg["cgroups"] or child.cgroups_busy(cfg["cgroups"]) or child.key_state(cfg["uid"]) != "":
+            return True
+        if cfg["mntns"] and cfg["ipcns"]:
+            return False
+        layers = run.get("layers") or {}
+        if not (layers.get("abi") and layers.get("bpf") is not None):
+            return True  # SysV objects or files in shared directories may be left
+        # seccomp refused SysV and keys, Landlock every write outside the work dir, and no process
+        # of the uid is left: only the work dir on the host remains, when there is no mount namespace.
+        return not cfg["mntns"] and not self.remove_plain_workdir(cfg["workdir"], cfg["uid"])
+
+    @staticmethod
+    def remove_plain_workdir(workdir: str, uid: int) -> bool:
+        """Remove a work dir holding nothing but the program (the common case), without a
+        fork; False when it holds more (the cleanup helper removes it as the uid)."""
+        try:
+            st = os.lstat(workdir)
+            names = os.listdir(workdir)
+            if not (os.path.isdir(workdir) and not os.path.islink(workdir) and st.st_uid == uid) or \
+                    not set(names) <= {"main.py"}:
+                return False
+            for name in names:
+                os.unlink(os.path.join(workdir, name))  # a symlink is removed, never followed
+            os.rmdir(workdir)
+            return True
+        except OSError:
+            return False
 
     def start_clean(self, run: dict[str, Any], first: bool = False) -> None:
         cfg = run["cfg"]
         uid, workdir = cfg["uid"], None if cfg["mntns"] else cfg["workdir"]
-        if not first and not self.needs_clean(cfg):
+        if not first and not self.needs_clean(run):
             self.finish(run, run["rc"], False)
             return
         pid = os.fork()

@@ -81,18 +81,22 @@ def _user_setup(work: Path) -> tuple[list[str], dict[str, str]]:
     return [*prefix, python], env
 
 
-def run_mode(mode: str) -> dict[str, Any]:
-    """The suite's JSON report in `mode` (a key of `MODES`), from a process of its own."""
+def mode_command(mode: str, work: Path) -> tuple[list[str], dict[str, str], str]:
+    """(argv up to and including the interpreter, environment, working directory) that run
+    Python in `mode` (a key of `MODES`); `work` is a scratch directory for the user's copy."""
     if os.geteuid() != 0:
         raise RuntimeError("the three modes are started from root")
+    if mode == "user":
+        argv, env = _user_setup(work)
+        return argv, env, str(work / "project")
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH")}
+    return [*MODES[mode][1], sys.executable], env, str(PROJECT)
+
+
+def run_mode(mode: str) -> dict[str, Any]:
+    """The suite's JSON report in `mode` (a key of `MODES`), from a process of its own."""
     with tempfile.TemporaryDirectory(prefix="fsm-attacks-") as tmp:
-        work = Path(tmp)
-        if mode == "user":
-            argv, env = _user_setup(work)
-            cwd = str(work / "project")
-        else:
-            argv, cwd = [*MODES[mode][1], sys.executable], str(PROJECT)
-            env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH")}
+        argv, env, cwd = mode_command(mode, Path(tmp))
         done = subprocess.run([*argv, "-m", "engine", "attacks", "--json"], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=TIMEOUT_S, check=False)
     try:
