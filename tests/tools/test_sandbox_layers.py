@@ -141,3 +141,21 @@ def test_multiprocessing_is_refused_with_a_clear_error() -> None:
 def test_the_layers_cost_no_thread_in_the_zygote() -> None:
     z = client.current() or sandbox._zygote()
     assert z.info["threads"] == 1 and z.info["layers"]["arch"] == platform.machine()
+
+
+@needs_landlock
+@needs_seccomp
+@pytest.mark.parametrize("extra", [False, True], ids=["plain", "with-files"])
+def test_without_namespaces_the_work_dir_goes_with_or_without_the_cleanup_fork(extra: bool) -> None:
+    """As root without namespaces (a default container), the work dir is on the host's /tmp:
+    a plain one is removed by the zygote, one with more in it by the cleanup helper."""
+    if os.geteuid() != 0:
+        pytest.skip("a uid per run needs root")
+    caps = sandbox._capabilities()
+    bare = sandbox._Capabilities(root=True, uids=caps.uids, cgroup=caps.cgroup, cgroup_parents=caps.cgroup_parents)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sandbox, "_caps", bare)
+        code = "import os\nprint(os.getcwd())\n" + ("os.mkdir('d')\nopen('d/f', 'w').write('x' * 4096)\n" if extra else "")
+        out, _ = run(code)
+    assert out.startswith("/tmp/sandbox-")
+    assert not os.path.lexists(out)
