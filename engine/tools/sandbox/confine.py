@@ -116,7 +116,7 @@ def interpreter_dirs() -> set[str]:
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     paths.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
     paths.update(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib"))
-    return {os.path.realpath(p) for p in paths if p and os.path.isdir(p)}
+    return {os.path.realpath(p) for p in paths if p and os.path.isdir(p)} - {"/"}  # never the whole host
 
 
 def prepare(cfg: dict[str, Any], layers: dict[str, Any]) -> dict[str, Any]:
