@@ -155,7 +155,8 @@ def test_without_namespaces_the_work_dir_goes_with_or_without_the_cleanup_fork(e
     bare = sandbox._Capabilities(root=True, uids=caps.uids, cgroup=caps.cgroup, cgroup_parents=caps.cgroup_parents)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sandbox, "_caps", bare)
-        code = "import os\nprint(os.getcwd())\n" + ("os.mkdir('d')\nopen('d/f', 'w').write('x' * 4096)\n" if extra else "")
+        more = "os.mkdir('d')\nopen('d/f', 'w').write('x' * 4096)\n" if extra else ""
+        code = "import os\nprint(os.getcwd())\n" + more
         out, _ = run(code)
     assert out.startswith("/tmp/sandbox-")
     assert not os.path.lexists(out)

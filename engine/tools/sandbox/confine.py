@@ -80,7 +80,8 @@ def landlock_abi() -> int:
     if "landlock" in _disabled:
         return 0
     lib = _libc()
-    abi = lib.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    abi = lib.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                      ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
     return max(int(abi), 0)
 
 

@@ -77,8 +77,8 @@ def _say_missing_layers(isolation: dict[str, Any]) -> None:
     this kernel lacks, and what is then held by the uid and namespaces only."""
     missing = [name for name in ("landlock", "seccomp") if not isolation.get(name)]
     if missing:
-        log.warning("SANDBOX LAYER MISSING: %s not available on this kernel (%s); model code runs with %s "
-                    "only. Not held here: %s", " and ".join(missing), sys.platform, isolation.get("mode"),
+        log.warning("SANDBOX LAYER MISSING: %s not available on this kernel; model code is held by what the "
+                    "mode '%s' gives only. Not held here: %s", " and ".join(missing), isolation.get("mode"),
                     "; ".join(isolation.get("cannot_hold", [])))
 
 

@@ -4,8 +4,8 @@ Run by path as `sys.executable -I zygote.py <json>` by `engine.tools.sandbox.cli
 empty environment (plus the child's few variables), `/` as its working directory, its own
 session, and one end of a SOCK_SEQPACKET socket pair as its only link to the engine. It
 imports `child.py` and `confine.py` (Landlock and seccomp: it decides each ruleset and builds
-each BPF program once, every child installs them last), preloads some modules, checks that it is single-threaded, says
-"ready", then serves: `run` (fork a child that becomes the sandbox and runs the code
+each BPF program once, every child installs them last), preloads some modules, checks that it
+is single-threaded, says "ready", then serves: `run` (fork a child that becomes the sandbox and runs the code
 without exec: it costs a fork, not an interpreter start; the read-only view of the host
 comes from a template mount namespace built once, see `child.build_template`), `kill`
 (SIGKILL a run's process group), and, after a run that may have left something, a forked cleanup helper

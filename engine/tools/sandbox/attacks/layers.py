@@ -125,8 +125,9 @@ report(chmod=attempt(os.chmod, {path!r}, 0o6777), utime=attempt(os.utime, {path!
     changed = [what for what, a, b in (("mode", before.st_mode, after.st_mode), ("mtime", before.st_mtime_ns,
                after.st_mtime_ns), ("owner", before.st_uid, after.st_uid)) if a != b] + (["xattr"] if xattrs else [])
     contained = not changed and all(v in DENIED | {"none"} for v in tries.values())
+    what = "CHANGED: " + ", ".join(changed) if changed else "unchanged"
     return Verdict(contained, ", ".join(f"{k} -> {v}" for k, v in tries.items()),
-                   f"host file {'CHANGED: ' + ', '.join(changed) if changed else 'unchanged'} (owned by uid {before.st_uid})")
+                   f"host file {what} (owned by uid {before.st_uid})")
 
 
 @attack("/proc/<engine>: maps, status, cmdline")

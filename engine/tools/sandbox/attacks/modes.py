@@ -129,8 +129,9 @@ def render(reports: dict[str, dict[str, Any]]) -> str:
 
 def unexpected(reports: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
     """Per mode, the attacks that got through without being an expected gap of that mode."""
-    return {m: bad for m, r in reports.items()
-            if (bad := [a["attack"] for a in r["attacks"] if not a["contained"] and a["attack"] not in EXPECTED_GAPS[m]])}
+    found = {m: [a["attack"] for a in r["attacks"] if not a["contained"] and a["attack"] not in EXPECTED_GAPS[m]]
+             for m, r in reports.items()}
+    return {m: bad for m, bad in found.items() if bad}
 
 
 def main(argv: list[str] | None = None) -> int:
