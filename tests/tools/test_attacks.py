@@ -1,9 +1,11 @@
 """The attack suite of `python -m engine attacks`, against the real sandbox.
 
-The whole suite runs once (about 12 s) with the code interpreter's limits; then every
+The whole suite runs once (about 30 s) with the code interpreter's limits; then every
 attack must be contained, and no process of any uid the suite leased may be alive. Needs
-root and both namespaces, like the isolation tests of test_sandbox.py; elsewhere the
-sandbox is weaker by design and the report says so instead.
+root and both namespaces, like the isolation tests of test_sandbox.py. Then the suite runs
+again as root without CAP_SYS_ADMIN and as an ordinary user (`attacks.modes`, a process
+each): there every attack but the mode's `EXPECTED_GAPS` must be contained, and those
+must not be (so a gap closed, or one opened, shows).
 
 `KNOWN_GAPS` are attacks the current sandbox does not contain (see the report): they are
 strict xfails, so the test fails as soon as one is fixed and its entry must go.
@@ -15,12 +17,14 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from engine.tools.sandbox import runner as sandbox
+from engine.tools.sandbox.attacks import modes
 from engine.tools.sandbox.attacks import suite as attacks
 from engine.tools.sandbox.attacks.lab import Lab, Outcome, processes
 from engine.tools.sandbox.attacks.suite import all_attacks, default_lab, exit_code, render_table, run_suite
@@ -90,3 +94,41 @@ def test_report_and_exit_code(suite: tuple[list[Outcome], Lab, set[int]], monkey
     assert [a["attack"] for a in report["attacks"]] == NAMES
     assert attacks.main_attacks(argparse.Namespace(json=False)) == rc
     assert capsys.readouterr().out.splitlines()[-1] == f"{report['contained']}/{len(outcomes)} attacks contained"
+
+
+# --- the same suite in the two modes without namespaces (each in a process of its own) ---
+
+OTHER_MODES = ["no-sys-admin", "user"]
+
+
+@pytest.fixture(scope="module", params=OTHER_MODES)
+def mode_report(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    """The suite's JSON report as root without CAP_SYS_ADMIN, and as an ordinary user."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("the modes are entered from root with setpriv")
+    try:
+        return request.param, modes.run_mode(request.param)
+    except RuntimeError as e:
+        pytest.skip(f"mode {request.param} cannot start here: {e}")
+
+
+def test_every_attack_is_contained_in_each_mode_but_its_known_gaps(mode_report: tuple[str, dict[str, Any]]) -> None:
+    mode, report = mode_report
+    rows = {a["attack"]: a for a in report["attacks"]}
+    assert list(rows) == NAMES  # the same suite, every attack judged
+    got_through = {name for name, a in rows.items() if not a["contained"]}
+    assert got_through == modes.EXPECTED_GAPS[mode], {n: rows[n]["how"] for n in got_through}
+    if mode == "user":
+        assert "uid per run no" in report["sandbox"]
+    else:
+        assert "uid per run yes" in report["sandbox"] and "network namespace no" in report["sandbox"]
+
+
+def test_the_three_column_table() -> None:
+    reports = {m: {"contained": 1, "total": 2, "attacks": [{"attack": "a", "contained": True, "how": "x"},
+                                                           {"attack": "b", "contained": False, "how": "y|z"}]}
+               for m in modes.MODES}
+    lines = modes.render(reports).splitlines()
+    assert [c.strip() for c in lines[0].split("|")[1:-1]] == ["attack", *(v[0] for v in modes.MODES.values())]
+    assert lines[-1].split("|")[2].strip() == "1/2" and "NO: y\\|z" in lines[3]
+    assert modes.unexpected(reports) == {m: ["b"] for m in modes.MODES}

@@ -43,8 +43,11 @@ CALL = "import colorsys, os, sys\nprint(6 * 7, os.getuid(), sys.prefix)"
 def engine_process(python: str, prelude: str = "", timeout: float = 120) -> dict[str, Any]:
     """Run the engine snippet under `python` from the checkout; its JSON line."""
     code = prelude + f"\nCODE = {CALL!r}\n" + ENGINE
+    # The engine's own dependencies (httpx, attrs) from this interpreter's site-packages: a venv made
+    # with --system-site-packages sees its base interpreter's only. The sandbox sees the venv alone.
+    deps = os.pathsep.join(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
     proc = subprocess.run([python, "-c", code], cwd=PROJECT, capture_output=True, text=True, timeout=timeout,
-                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, check=False)
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": deps}, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

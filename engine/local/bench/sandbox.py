@@ -230,22 +230,69 @@ async def sandbox_figures(sizes: Sizes) -> list[Figure]:
 def probe_isolation() -> dict[str, Any]:
     """What isolation the measured sandbox had (the README says which the host got)."""
     iso = capabilities()
-    return {k: iso[k] for k in ("root", "uid_per_run", "netns", "mntns", "ipcns", "cgroup", "zygote")}
+    return {k: iso[k] for k in ("mode", "root", "uid_per_run", "netns", "mntns", "ipcns", "cgroup", "landlock",
+                                "seccomp", "zygote")}
+
+
+async def latency_ratio(runs: int) -> dict[str, Any]:
+    """Figure 4's first line alone: p50 of `print(1)` in the sandbox and of a bare interpreter
+    start, their ratio, and the sandbox's mode and layers."""
+    times, _ = await _latency_and_cpu(runs)
+    p50 = {name: percentile(t, 50) * 1e3 for name, t in times.items()}
+    iso = capabilities()
+    return {"mode": iso["mode"], "landlock": iso["landlock"], "seccomp": iso["seccomp"], "runs": runs,
+            "sandbox_p50_ms": round(p50["sandbox"], 2), "bare_p50_ms": round(p50[BARE], 2),
+            "ratio": round(p50["sandbox"] / p50[BARE], 3)}
+
+
+def latency_in_modes(runs: int) -> list[dict[str, Any]]:
+    """`latency_ratio` in each of the three modes (root only), a process per mode."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from engine.tools.sandbox.attacks import modes
+
+    rows = []
+    for mode in modes.MODES:
+        with tempfile.TemporaryDirectory(prefix="fsm-bench-") as tmp:
+            argv, env, cwd = modes.mode_command(mode, Path(tmp))
+            done = subprocess.run([*argv, "-m", "engine.local.bench.sandbox", "--latency-only", "--runs", str(runs)],
+                                  cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"mode {mode}: {done.stderr.strip()[-400:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
 
 
 def main() -> int:
-    """`python -m engine.local.bench.sandbox [--small]`: only the sandbox's figures."""
+    """`python -m engine.local.bench.sandbox [--small] [--runs N] [--latency-only | --modes]`:
+    only the sandbox's figures; `--latency-only` just print(1)'s p50 against a bare start (JSON);
+    `--modes` that in each of the three modes (as root: docs/sandbox-modes.md)."""
     import argparse
+    import json
 
     from engine.local.bench.report import format_table
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--latency-only", action="store_true")
+    parser.add_argument("--modes", action="store_true")
     ns = parser.parse_args()
     sizes = Sizes.small() if ns.small else Sizes.default()
     if ns.runs:
         sizes = attrs.evolve(sizes, sandbox_runs=ns.runs)
+    if ns.latency_only:
+        print(json.dumps(asyncio.run(latency_ratio(sizes.sandbox_runs))))
+        return 0
+    if ns.modes:
+        print(f"| mode | sandbox print(1) p50 ms | {BARE} p50 ms | ratio | landlock | seccomp |")
+        print("|---|---|---|---|---|---|")
+        for row in latency_in_modes(sizes.sandbox_runs):
+            print(f"| {row['mode']} | {row['sandbox_p50_ms']} | {row['bare_p50_ms']} | {row['ratio']} | "
+                  f"{row['landlock']} | {row['seccomp']} |")
+        return 0
     figures = asyncio.run(sandbox_figures(sizes))
     for number, figure in enumerate(figures):
         figure.number = 4 if number < 3 else 3

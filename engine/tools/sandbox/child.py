@@ -16,9 +16,13 @@ A run's child, still root (or the engine's user) right after the fork, in this o
    All but the private /tmp and the stand-ins come from a template namespace the zygote
    builds once (`build_template`); the child joins it and copies it (`isolate_run_fs`);
    `isolate_fs` builds everything per run where no template could be built;
-5. drops to the run's own uid, `PR_SET_NO_NEW_PRIVS`, kills leftovers of that uid; its
-   session keyring is the zygote's sealed one (permissions 0: no run can keep a key there);
-6. rlimits last (RLIMIT_NPROC counts the uid's tasks: see runner._config).
+5. holds O_PATH descriptors of the paths Landlock will grant (`confine.hold`: the uid may
+   not be able to reach them), drops to the run's own uid and checks that no capability
+   survived, `PR_SET_NO_NEW_PRIVS`, kills leftovers of that uid; its session keyring is the
+   zygote's sealed one (permissions 0: no run can keep a key there);
+6. rlimits (RLIMIT_NPROC counts the uid's tasks: see runner._config);
+7. last, in `zygote.become_run`: the Landlock ruleset and the seccomp filter (`confine.py`),
+   which need no privilege and hold the code in every mode, an ordinary user's included.
 
 The cleanup helper (`clean_uid`) runs as the uid after a run that left something: SIGKILL
 to all of the uid's processes (kill(-1) is atomic with respect to fork), then it clears and
@@ -113,10 +117,33 @@ def libc() -> Libc:
 
 
 def become(uid: int) -> None:
-    """Drop from root to `uid` (group too, no supplementary groups)."""
+    """Drop from root to `uid` (group too, no supplementary groups), and check that no
+    capability survived (root without CAP_SYS_ADMIN still holds CAP_PERFMON, CAP_KILL, ...)."""
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)  # from root to a uid drops every capability
+    held = capabilities_held()
+    if held:
+        raise OSError(1, f"capabilities survived the uid drop: {held:#x}")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def capabilities_held() -> int:
+    """This process's effective | permitted | inheritable capability bits (capget(2))."""
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    data = (_CapData * 2)()
+    if libc().lib.capget(ctypes.byref(header), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capget: {os.strerror(err)}")
+    words = [d.effective | d.permitted | d.inheritable for d in data]
+    return words[0] | words[1] << 32
 
 
 def join_cgroups(cgroups: list[list[Any]]) -> None:
@@ -264,8 +291,9 @@ def reroute_import_paths(sys_path: list[str], held: dict[str, int]) -> None:
             sys_path[i] = f"/proc/self/fd/{fd}"
 
 
-def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
-    """Turn this freshly forked process into the run's sandbox (see the module docstring)."""
+def enter(cfg: dict[str, Any], sys_path: list[str], before_drop: Any = None) -> None:
+    """Turn this freshly forked process into the run's sandbox (see the module docstring).
+    `before_drop()` runs in the run's final mount namespace, before the uid drop."""
     lib = libc()
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD, signal.SIGHUP):
@@ -291,6 +319,8 @@ def enter(cfg: dict[str, Any], sys_path: list[str]) -> None:
         os.mkdir(cfg["workdir"], 0o700)
         if uid is not None:
             os.chown(cfg["workdir"], uid, uid)
+    if before_drop is not None:
+        before_drop()
     if uid is not None:
         become(uid)
         try:  # leftovers of a crashed engine that held this uid before us

@@ -59,6 +59,7 @@ async def _run_probe() -> SandboxProbe:
         return SandboxProbe(False, f"the sandbox cannot be set up: {type(e).__name__}: {e}", _isolation())
     if result.returncode == 0 and result.stdout.startswith("42\n"):
         isolation = _isolation()
+        _say_missing_layers(isolation)
         isolation["interpreter_reexecutable"] = result.stdout.endswith("\n1\n")
         if not isolation["interpreter_reexecutable"]:
             log.warning("sandboxed code runs, but code that starts the interpreter again (subprocess, multiprocessing) "
@@ -69,6 +70,16 @@ async def _run_probe() -> SandboxProbe:
     how = "timed out" if result.timed_out else f"exited {result.returncode}"
     return SandboxProbe(False, f"the sandbox cannot run code: the probe program {how}, printed "
                                f"{result.stdout[:80]!r}; {said}", _isolation())
+
+
+def _say_missing_layers(isolation: dict[str, Any]) -> None:
+    """Once per process (the probe runs once): a loud warning naming each no-privilege layer
+    this kernel lacks, and what is then held by the uid and namespaces only."""
+    missing = [name for name in ("landlock", "seccomp") if not isolation.get(name)]
+    if missing:
+        log.warning("SANDBOX LAYER MISSING: %s not available on this kernel; model code is held by what the "
+                    "mode '%s' gives only. Not held here: %s", " and ".join(missing), isolation.get("mode"),
+                    "; ".join(isolation.get("cannot_hold", [])))
 
 
 def _isolation() -> dict[str, Any]:

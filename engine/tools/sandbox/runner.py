@@ -27,7 +27,12 @@ Layers (each one is there because a model will eventually try what it stops):
   directories are bound back wherever they live, and `/proc` shows only the run's own
   processes. Each layer is probed once; `capabilities()` reports what the host gave.
 
-Without root only the rlimits, the fresh environment and the process-group kill remain.
+* In every mode, last before the model's code: a Landlock ruleset and a seccomp filter
+  (`confine.py`), which need no privilege. Without root they are what holds files, the
+  network, signals and the kernel's shared objects; as root they come on top of the above.
+  `capabilities()["cannot_hold"]` lists what this host's mode cannot hold.
+
+Without root: the rlimits, the fresh environment, the process-group kill, Landlock and seccomp.
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ class _Capabilities:
 
 
 _caps: _Capabilities | None = None
+_LAYERS_OFF: set[str] = set()  # private switch (tests): "landlock" / "seccomp" treated as absent
 _caps_lock = threading.Lock()
 _slot_lock = threading.Lock()
 _next_slot = 0
@@ -319,6 +325,51 @@ def _capabilities() -> _Capabilities:
         return _caps
 
 
+def kernel_layers() -> dict[str, Any]:
+    """The no-privilege layers runs get: {"landlock": ABI (0: none), "seccomp": bool}, as the
+    zygote found them in the kernel, less what `_LAYERS_OFF` switches off."""
+    z = client.current() or _zygote()
+    found = z.info.get("layers", {})
+    return {"landlock": 0 if "landlock" in _LAYERS_OFF else int(found.get("landlock", 0)),
+            "seccomp": "seccomp" not in _LAYERS_OFF and bool(found.get("seccomp")),
+            "arch": found.get("arch", "?")}
+
+
+def mode(caps: _Capabilities) -> str:
+    """Which of the three documented modes this host is (docs/sandbox-modes.md)."""
+    if not caps.root:
+        return "ordinary user"
+    if caps.netns and caps.mntns:
+        return "root with namespaces"
+    return "root without namespaces (no CAP_SYS_ADMIN)"
+
+
+MULTIPROCESSING = ("refused: its locks and pools need /dev/shm, which a run may not write (a shared tmpfs, "
+                   "outside the run's budget); code gets PermissionError naming this; threads, "
+                   "concurrent.futures.ThreadPoolExecutor and subprocess work")
+
+
+def cannot_hold(caps: _Capabilities, layers: dict[str, Any]) -> list[str]:
+    """What the sandbox cannot hold on this host, in words (see docs/sandbox-modes.md)."""
+    gaps = []
+    if not caps.mntns:
+        gaps.append("total disk use of a run: no private tmpfs, RLIMIT_FSIZE bounds each file only")
+    if caps.cgroup == "rlimits":
+        gaps.append("memory and tasks across a run's processes: per-process rlimits sized to the budget only")
+    if not caps.root:
+        gaps.append("RLIMIT_NPROC counts all of this user's processes: a run's processes share one budget "
+                    "with the engine and the user's other runs")
+        gaps.append("no uid per run: cleanup kills the run's process group (setsid/setpgid are kept in it)")
+    if not layers["landlock"]:
+        gaps.append("no Landlock: files, TCP and signals are held only by the uid and the namespaces")
+    elif layers["landlock"] < 6:
+        gaps.append(f"Landlock ABI {layers['landlock']} < 6: signals and abstract unix sockets not scoped")
+    if not layers["seccomp"]:
+        gaps.append("no seccomp filter: sockets, SysV IPC, io_uring, ptrace and namespaces are refused only "
+                    "by the uid and the namespaces")
+    return gaps
+
+
 def network_isolated() -> bool:
     """Whether runs get a network namespace of their own (no network at all). Probes once."""
     return _capabilities().netns
@@ -333,9 +384,12 @@ def capabilities() -> dict[str, Any]:
     """What isolation the host gave (probes once): the `isolation` of `SandboxProbe`."""
     caps = _capabilities()
     z = client.current()
+    layers = kernel_layers()
     return {
-        "root": caps.root, "uid_per_run": bool(caps.uids), "netns": caps.netns, "mntns": caps.mntns,
-        "ipcns": caps.ipcns, "cgroup": caps.cgroup, "zygote": z is not None,
+        "mode": mode(caps), "root": caps.root, "uid_per_run": bool(caps.uids), "netns": caps.netns,
+        "mntns": caps.mntns, "ipcns": caps.ipcns, "cgroup": caps.cgroup,
+        "landlock": layers["landlock"], "seccomp": layers["seccomp"], "cannot_hold": cannot_hold(caps, layers),
+        "multiprocessing": MULTIPROCESSING, "zygote": z is not None,
         "preloaded": list(z.info.get("preloaded", [])) if z is not None else [],
         "python": sys.executable, "exposed": list(caps.expose),
     }
@@ -374,6 +428,7 @@ def _config(limits: SandboxLimits, uid: int | None, caps: _Capabilities, *, work
         "expose": caps.expose, "probe": probe, "dirty": dirty, "workdir": workdir, "disk": limits.disk_bytes,
         "cgroups": _cgroup_settings(caps, uid if uid is not None else 0, limits) if caps.cgroup != "rlimits" else [],
         "rlimits": _rlimits(limits, caps, uid), "env": _child_env(workdir), "nonce": nonce,
+        "landlock": "landlock" not in _LAYERS_OFF, "seccomp": "seccomp" not in _LAYERS_OFF,
     }
 
 

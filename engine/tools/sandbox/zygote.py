@@ -3,8 +3,9 @@
 Run by path as `sys.executable -I zygote.py <json>` by `engine.tools.sandbox.client`, with an
 empty environment (plus the child's few variables), `/` as its working directory, its own
 session, and one end of a SOCK_SEQPACKET socket pair as its only link to the engine. It
-imports `child.py`, preloads some modules, checks that it is single-threaded, says
-"ready", then serves: `run` (fork a child that becomes the sandbox and runs the code
+imports `child.py` and `confine.py` (Landlock and seccomp: it decides each ruleset and builds
+each BPF program once, every child installs them last), preloads some modules, checks that it
+is single-threaded, says "ready", then serves: `run` (fork a child that becomes the sandbox and runs the code
 without exec: it costs a fork, not an interpreter start; the read-only view of the host
 comes from a template mount namespace built once, see `child.build_template`), `kill`
 (SIGKILL a run's process group), and, after a run that may have left something, a forked cleanup helper
@@ -45,19 +46,18 @@ PR_SET_CHILD_SUBREAPER = 36
 MAX_FDS = 5  # stdin, stdout, stderr, code, and the uid lease lock (held until cleaned up)
 
 
-def _import_child() -> types.ModuleType:
-    """`child.py` from this directory, without leaving the directory on `sys.path`."""
+def _import_here(name: str) -> types.ModuleType:
+    """`<name>.py` from this directory, without leaving the directory on `sys.path`."""
     sys.path.insert(0, HERE)
     try:
-        import child
-
-        return child
+        return __import__(name)
     finally:
         sys.path.remove(HERE)
         sys.path_importer_cache.pop(HERE, None)
 
 
-child = _import_child()
+child = _import_here("child")
+confine = _import_here("confine")  # Landlock and seccomp, the layers that need no privilege
 
 
 def send(ctl: socket.socket, message: dict[str, Any]) -> None:
@@ -128,7 +128,7 @@ def _finish(rc: int, atexit: Any) -> int:  # pragma: no cover - runs in the chil
 class Zygote:
     """The serving loop: requests from the engine, exits of runs and helpers."""
 
-    def __init__(self, ctl: socket.socket) -> None:
+    def __init__(self, ctl: socket.socket, layers: dict[str, Any]) -> None:
         self.ctl = ctl
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, None)
@@ -143,6 +143,8 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
         self.sel.register(self.wake_r, selectors.EVENT_READ, "sigchld")
         self.templates: dict[str, int | None] = {}  # hide + expose -> the template mount namespace
+        self.layers = layers  # what the kernel offers (confine.kernel_layers)
+        self.prepared: dict[str, dict[str, Any]] = {}  # the layers per kind of run, built once
         self.holders: list[int] = []  # the processes keeping the templates alive
 
     def template(self, cfg: dict[str, Any]) -> int | None:
@@ -251,6 +253,11 @@ class Zygote:
         template = self.template(run["cfg"]) if run["cfg"]["mntns"] else None
         if template is not None:
             run["cfg"] = dict(run["cfg"], template=template)
+        cfg = run["cfg"]
+        key = json.dumps([cfg.get(k) for k in ("landlock", "seccomp", "mntns")] + [cfg["uid"] is None])
+        if key not in self.prepared:  # the BPF program and the Landlock rights: once, not per run
+            self.prepared[key] = confine.prepare(cfg, self.layers)
+        run["layers"] = self.prepared[key]
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             self.become_run(run)
@@ -277,31 +284,60 @@ class Zygote:
             os.closerange(3, keep if keep is not None else 1 << 20)  # only stdio remains: no way back
             if keep is not None:
                 os.closerange(keep + 1, 1 << 20)
-            child.enter(cfg, sys.path)
-            if cfg["probe"]:
-                os._exit(0)
+            held: list[tuple[int, int, str]] = []
+            child.enter(cfg, sys.path, lambda: held.extend(confine.hold(run["layers"])))
             script = os.path.join(cfg["workdir"], "main.py")
-            with open(script, "wb") as f:  # tracebacks show its lines, as for any script
-                f.write(code)
+            if not cfg["probe"]:
+                with open(script, "wb") as f:  # tracebacks show its lines, as for any script
+                    f.write(code)
             os.environ.clear()
             os.environ.update(cfg["env"])
             child.set_limits(cfg)
+            confine.apply(run["layers"], held, cfg["workdir"])  # last: Landlock, then seccomp
+            if cfg["probe"]:
+                os._exit(0)
         except BaseException as e:  # noqa: BLE001 - whatever failed, the engine must hear of it
             os.write(2, f"{cfg['nonce']} {type(e).__name__}: {e}\n".encode())
             os._exit(child.SETUP_FAILED)
         run_program(code, script)
 
-    def needs_clean(self, cfg: dict[str, Any]) -> bool:
+    def needs_clean(self, run: dict[str, Any]) -> bool:
         """Whether the run may have left anything: processes, keys, shared IPC objects, files."""
+        cfg = run["cfg"]
         if cfg["uid"] is None:
             return True  # its process group may be dying still, its working directory on the host
-        shared = not (cfg["mntns"] and cfg["ipcns"] and cfg["cgroups"])
-        return shared or child.cgroups_busy(cfg["cgroups"]) or child.key_state(cfg["uid"]) != ""
+        if not cfg["cgroups"] or child.cgroups_busy(cfg["cgroups"]) or child.key_state(cfg["uid"]) != "":
+            return True
+        if cfg["mntns"] and cfg["ipcns"]:
+            return False
+        layers = run.get("layers") or {}
+        if not (layers.get("abi") and layers.get("bpf") is not None):
+            return True  # SysV objects or files in shared directories may be left
+        # seccomp refused SysV and keys, Landlock every write outside the work dir, and no process
+        # of the uid is left: only the work dir on the host remains, when there is no mount namespace.
+        return not cfg["mntns"] and not self.remove_plain_workdir(cfg["workdir"], cfg["uid"])
+
+    @staticmethod
+    def remove_plain_workdir(workdir: str, uid: int) -> bool:
+        """Remove a work dir holding nothing but the program (the common case), without a
+        fork; False when it holds more (the cleanup helper removes it as the uid)."""
+        try:
+            st = os.lstat(workdir)
+            names = os.listdir(workdir)
+            if not (os.path.isdir(workdir) and not os.path.islink(workdir) and st.st_uid == uid) or \
+                    not set(names) <= {"main.py"}:
+                return False
+            for name in names:
+                os.unlink(os.path.join(workdir, name))  # a symlink is removed, never followed
+            os.rmdir(workdir)
+            return True
+        except OSError:
+            return False
 
     def start_clean(self, run: dict[str, Any], first: bool = False) -> None:
         cfg = run["cfg"]
         uid, workdir = cfg["uid"], None if cfg["mntns"] else cfg["workdir"]
-        if not first and not self.needs_clean(cfg):
+        if not first and not self.needs_clean(run):
             self.finish(run, run["rc"], False)
             return
         pid = os.fork()
@@ -368,6 +404,42 @@ class Zygote:
         self.reap()  # the zombies of what the helpers killed: not left to init
 
 
+MP_REFUSED = ("multiprocessing is not available in this sandbox: its locks need /dev/shm, which a run may not "
+              "write (shared memory outside the run's budget). Use threads, "
+              "concurrent.futures.ThreadPoolExecutor or subprocess instead.")
+
+
+class _ClearMultiprocessingError:
+    """A meta path finder that, once `multiprocessing.synchronize` is loaded, makes its
+    SemLock fail with `MP_REFUSED` instead of a bare EACCES/EROFS (every Lock, Queue and
+    Pool creates one). Installed in the zygote, so a run pays nothing for it."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "multiprocessing.synchronize":
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run_module(module)
+            original = module.SemLock.__init__
+
+            def init(self: Any, *args: Any, **kwargs: Any) -> None:
+                try:
+                    original(self, *args, **kwargs)
+                except OSError as e:
+                    raise PermissionError(e.errno, MP_REFUSED) from None
+
+            module.SemLock.__init__ = init
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
 def main() -> None:
     """Start-up: preload, check, say ready, serve."""
     start = json.loads(sys.argv[1])
@@ -382,11 +454,14 @@ def main() -> None:
             preloaded.append(name)
         except Exception:  # noqa: BLE001 - a missing optional module only costs its import later
             failed.append(name)
+    layers = confine.kernel_layers()
+    sys.meta_path.insert(0, _ClearMultiprocessingError())
     threads = len(os.listdir("/proc/self/task"))
-    send(ctl, {"event": "ready", "pid": os.getpid(), "threads": threads, "preloaded": preloaded, "failed": failed})
+    send(ctl, {"event": "ready", "pid": os.getpid(), "threads": threads, "preloaded": preloaded, "failed": failed,
+               "layers": layers})
     if threads != 1:
         return  # forking a threaded process could copy a held lock: the engine reports it
-    Zygote(ctl).serve()
+    Zygote(ctl, layers).serve()
 
 
 if __name__ == "__main__":

@@ -166,7 +166,10 @@ async def read_etc(lab: Lab) -> Verdict:
 @attack("read /root (the engine's home)")
 async def read_root(lab: Lab) -> Verdict:
     home = "/root"
-    host = sorted(os.listdir(home)) if os.path.isdir(home) else []
+    try:
+        host = sorted(os.listdir(home))
+    except OSError:
+        host = []  # the engine's own user cannot list it either (an ordinary user)
     files = [n for n in host if os.path.isfile(os.path.join(home, n))]
     # The interpreter may live under /root (pyenv): the sandbox binds exactly its dirs back in.
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))}
@@ -174,14 +177,20 @@ async def read_root(lab: Lab) -> Verdict:
     code = f"""
 import os
 opened = {{name: attempt(lambda p: open(p, 'rb').close(), os.path.join('{home}', name)) for name in {files!r}}}
-report(listing=sorted(os.listdir('{home}')), opened=opened)
+try:
+    listing = sorted(os.listdir('{home}'))
+except OSError as e:
+    listing = err(e)  # refused outright: nothing listed
+report(listing=listing, opened=opened)
 """
     run = await lab.run(code)
     listing, opened = run.facts.get("listing"), run.facts.get("opened", {})
+    if isinstance(listing, str):
+        listing = [] if listing in DENIED else None
     extra = sorted(set(listing or []) - needed)
     readable = [n for n, e in opened.items() if e == "ok"]
-    contained = listing is not None and not extra and not readable
-    how = (f"tmpfs over {home}: lists {listing}; open -> {sorted(set(opened.values()))}" if contained
+    contained = listing is not None and not extra and not readable and all(e in DENIED for e in opened.values())
+    how = (f"{home} lists {listing}; open -> {sorted(set(opened.values()))}" if contained
            else f"not hidden: {len(extra)} entries visible, {len(readable)} files readable")
     return Verdict(contained, how, f"host {home} has {len(host)} entries ({len(files)} files); "
                    f"sandbox sees {len(listing or [])} (the interpreter's)")
@@ -236,7 +245,10 @@ async def network(lab: Lab) -> Verdict:
     code = f"""
 import socket
 def connect(family, address):
-    s = socket.socket(family)
+    try:
+        s = socket.socket(family)
+    except OSError as e:
+        return 'socket ' + err(e)  # refused before any address was tried
     s.settimeout(3)
     return attempt(s.connect, address)
 report(tcp=connect(socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})),
@@ -256,7 +268,8 @@ report(tcp=connect(socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})),
         unix.close()
     tries = {k: run.facts.get(k, "?") for k in ("tcp", "unix", "internet")}
     contained = not accepted and all(v not in ("ok", "?") for v in tries.values())
-    where = "network namespace" if contained else "not isolated"
+    where = ("seccomp: no sockets" if all(v.startswith("socket ") for v in tries.values())
+             else "network namespace") if contained else "not isolated"
     return Verdict(contained, f"{where}: connect 127.0.0.1 -> {tries['tcp']}",
                    f"abstract unix -> {tries['unix']}, 1.1.1.1:53 -> {tries['internet']}; "
                    f"engine accepted {accepted or 'nothing'}")
@@ -275,15 +288,21 @@ report(setuid=libc('setuid', 0), setgid=libc('setgid', 0), mount=mounted,
        unshare=libc('unshare', 0x40000000 | 0x00020000),  # CLONE_NEWNET | CLONE_NEWNS
        ptrace=libc('ptrace', 0x4206, {engine}, None, None),  # PTRACE_SEIZE: attaches without stopping
        setns=attempt(open, '/proc/1/ns/mnt', 'rb'))
-own = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])
+import time
+own = os.fork()
+if own == 0:
+    time.sleep(30)
+    os._exit(0)
 if attempt(os.kill, {engine}, 0) == 'ok':  # kill(-1) would reach the engine: the probe proves it
     report(kill_all='skipped')
 else:
     report(kill_all=libc('kill', -1, 9))
-    try:
-        report(own_killed=own.wait(timeout=5) == -9)
-    except subprocess.TimeoutExpired:
-        report(own_killed=False)
+    for _ in range(500):
+        pid, status = os.waitpid(own, os.WNOHANG)
+        if pid:
+            break
+        time.sleep(0.01)
+    report(own_killed=bool(pid) and os.waitstatus_to_exitcode(status) == -9)
 """
     canary = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # another uid's process
     try:
@@ -365,7 +384,12 @@ async def other_proc(lab: Lab) -> Verdict:
     code = f"""
 import os
 mine, foreign = [], []
-for name in filter(str.isdigit, os.listdir('/proc')):
+try:
+    names = os.listdir('/proc')
+except OSError as e:
+    names = []
+    report(listing=err(e))  # /proc cannot even be listed
+for name in filter(str.isdigit, names):
     try:
         with open(f'/proc/{{name}}/status') as f:
             uid = int(next(line for line in f if line.startswith('Uid:')).split()[1])
@@ -379,7 +403,8 @@ report(mine=len(mine), foreign=foreign[:20], init=attempt(open, '/proc/1/cmdline
     f = (await lab.run(code)).facts
     reads = {k: f.get(k, "?") for k in ("init", "engine", "mem")}
     contained = "mine" in f and not f.get("foreign") and all(v in DENIED for v in reads.values())
-    where = "own /proc (hidepid=2)" if contained else "not hidden"
+    where = ("Landlock: /proc not listable" if f.get("listing") else "own /proc (hidepid=2)") if contained \
+        else "not hidden"
     return Verdict(contained, f"{where}: /proc/1 -> {reads['init']}, /proc/<engine> -> {reads['engine']}",
                    f"sees its own {f.get('mine')} process(es) and {len(f.get('foreign', []))} others")
 

@@ -211,9 +211,12 @@ import ctypes, time
 lib = ctypes.CDLL(None, use_errno=True)
 lib.shmat.restype = ctypes.c_void_p
 seg = lib.shmget({key}, 4096, 0o1666)  # IPC_CREAT, readable and writable by everyone
-addr = lib.shmat(seg, None, 0)
-ctypes.memmove(addr, b'{secret}', 32)
-report(seg=seg)
+if seg < 0:
+    report(seg=err(OSError(ctypes.get_errno(), '')))  # refused: nothing to share
+else:
+    addr = lib.shmat(seg, None, 0)
+    ctypes.memmove(addr, b'{secret}', 32)
+    report(seg=seg)
 time.sleep(2.0)
 """
     reader = f"""
@@ -227,8 +230,11 @@ for seg in range(0, 65536):  # ids of a namespace start low: try them all
     addr = lib.shmat(seg, None, 0o10000)  # SHM_RDONLY
     if addr not in (None, ctypes.c_void_p(-1).value):
         found += ctypes.string_at(addr, 32).decode(errors='replace')
-with open('/proc/sysvipc/shm') as f:
-    listed = len(f.read().splitlines()) - 1
+try:
+    with open('/proc/sysvipc/shm') as f:
+        listed = len(f.read().splitlines()) - 1
+except OSError as e:
+    listed = err(e)
 report(found=found, listed=listed)
 """
     first = asyncio.create_task(lab.run(owner))
@@ -239,8 +245,10 @@ report(found=found, listed=listed)
     on_host = _host_sysv(uids)
     f = second.facts
     _remove_litter(None, {own.facts.get("pid")})
-    contained = "seg" in own.facts and secret not in f.get("found", "") and f.get("by_key") == "ENOENT" and not on_host
-    where = "IPC namespace per run" if contained else "not isolated"
+    refused = f.get("by_key") == "EPERM" and own.facts.get("seg") == "EPERM"  # seccomp: no SysV at all
+    contained = "seg" in own.facts and "found" in f and secret not in f.get("found", "") \
+        and (f.get("by_key") == "ENOENT" or refused) and not on_host
+    where = ("seccomp: SysV IPC refused" if refused else "IPC namespace per run") if contained else "not isolated"
     return Verdict(contained, f"{where}: shmget(its key) -> {f.get('by_key')}, {f.get('listed')} segments listed",
                    f"secret {'READ' if secret in f.get('found', '') else 'not found'} by the concurrent run; "
                    f"sandbox SysV objects left on the host: {on_host or 'none'}")
@@ -359,8 +367,11 @@ def live(p):
             return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
     except OSError:
         return False
-others = [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() and live(p)]
-report(key=search({desc!r}, -4), others=len(others), uid=os.getuid())
+try:
+    others = len([p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() and live(p)])
+except OSError as e:
+    others = err(e)  # /proc not listable: the engine counts the daemon from outside
+report(key=search({desc!r}, -4), others=others, uid=os.getuid())
 """
     second = await asyncio.to_thread(_engine, uid, look)
     out, _ = await asyncio.to_thread(second.communicate, timeout=60)
@@ -370,7 +381,8 @@ report(key=search({desc!r}, -4), others=len(others), uid=os.getuid())
     left = [p for p in daemon if alive(p)]
     for p in left:
         os.kill(p, signal.SIGKILL)
-    contained = bool(daemon) and not left and facts.get("key") not in ("FOUND", None) and facts.get("others") == 0
+    contained = bool(daemon) and not left and facts.get("key") not in ("FOUND", None) \
+        and facts.get("others") in (0, "EACCES")
     return Verdict(contained, "the zygote kills and cleans a crashed engine's runs before their lease is free",
                    f"daemon {daemon[:1]} of the crashed engine {'ALIVE' if left else 'gone'}; the next engine's run "
                    f"(uid {facts.get('uid')}) found key -> {facts.get('key')}, {facts.get('others')} processes of its uid")
@@ -387,8 +399,12 @@ async def venv_under_tmp(lab: Lab) -> Verdict:
             "import asyncio, sys\nfrom engine.tools.sandbox import run_python\n"
             "r = asyncio.run(run_python(sys.stdin.read()))\nprint(r.stdout, r.stderr[-300:])"
         )
+        # The engine's own dependencies from this interpreter's site-packages; the sandbox sees the venv only.
+        deps = os.pathsep.join(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT), deps])))
         done = await asyncio.to_thread(subprocess.run, [str(venv / "bin" / "python"), "-c", engine], cwd=PROJECT,
-                                       input=PRELUDE + code, capture_output=True, text=True, timeout=120, check=False)
+                                       input=PRELUDE + code, capture_output=True, text=True, timeout=120, check=False,
+                                       env=env)
         out, err = done.stdout, done.stderr
         facts = {k: v for line in out.splitlines() if line.startswith("@@") for k, v in json.loads(line[2:]).items()}
         planted = (venv / "pwned").exists()

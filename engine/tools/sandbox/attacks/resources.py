@@ -24,9 +24,13 @@ _MIB = 1 << 20
 @attack("infinite loop (+ busy child)")
 async def infinite_loop(lab: Lab) -> Verdict:
     code = """
-import subprocess, sys
-child = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
-report(child=child.pid)
+import os
+# A forked child, not a new interpreter: the attack is the busy process, wherever python lives.
+child = os.fork()
+if child == 0:
+    while True:
+        pass
+report(child=child)
 while True:
     pass
 """
@@ -203,10 +207,14 @@ def _cleaner(lab: Lab) -> str:
 @attack("child ignoring SIGTERM")
 async def sigterm_ignorer(lab: Lab) -> Verdict:
     code = """
-import subprocess, sys
-stubborn = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)'  # bounded
-child = subprocess.Popen([sys.executable, '-c', stubborn], start_new_session=True)
-report(child=child.pid)
+import os, signal, time
+child = os.fork()
+if child == 0:  # its own session, SIGTERM ignored, bounded to 30 s
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(30)
+    os._exit(0)
+report(child=child)
 """
     run = await lab.run(code)
     child = run.facts.get("child")

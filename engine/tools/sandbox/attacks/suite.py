@@ -9,7 +9,8 @@ observation points at, e.g. `network namespace: connect -> ENETUNREACH`.
 
 The attacks live in `resources.py` (limits, processes, cleanup), `isolation.py` (files,
 network, privileges, other processes) and `kernel.py` (memory across processes, shared
-memory, SysV, keyrings, uid reuse after a crash, a venv under /tmp); this module holds
+memory, SysV, keyrings, uid reuse after a crash, a venv under /tmp) and `layers.py` (what only
+Landlock and seccomp hold without privileges); this module holds
 what they share (`Lab`, `attack`), the runner and the report. After each attack, no
 process of a sandbox uid that attack's runs used may be alive: a survivor marks the attack
 not contained whatever else was seen.
@@ -39,6 +40,7 @@ def all_attacks() -> list[tuple[str, AttackFn]]:
     from engine.tools.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
     from engine.tools.sandbox.attacks import isolation  # noqa: F401
     from engine.tools.sandbox.attacks import kernel  # noqa: F401
+    from engine.tools.sandbox.attacks import layers  # noqa: F401  (what Landlock and seccomp hold)
 
     return list(ATTACKS)
 
@@ -81,7 +83,7 @@ def describe_sandbox(lab: Lab) -> str:
         f"uid per run {yes[bool(lab.uids)]}, network namespace {yes[caps['netns']]}, "
         f"mount namespace {yes[caps['mntns']]}, IPC namespace {yes[caps['ipcns']]}, "
         f"memory and tasks per run: {'cgroup ' + caps['cgroup'] if caps['cgroup'] != 'rlimits' else 'rlimits'}, "
-        f"zygote {yes[caps['zygote']]}"
+        f"zygote {yes[caps['zygote']]}, Landlock ABI {caps['landlock'] or 'none'}, seccomp {yes[caps['seccomp']]}"
     )
 
 
