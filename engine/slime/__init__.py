@@ -3,6 +3,7 @@
     --custom-generate-function-path engine.slime.generate
     --custom-rm-path engine.slime.reward_func
     --custom-config-path engine.yaml      # engine_profile, engine_max_turns, ...
+    --custom-rollout-log-function-path engine.slime.log_rollout   # the engine's figures on the dashboard
 
 `generate` reads what the engine needs from the sample (prompt, tools, session id, and with
 `--partial-rollout` the checkpoint and the arrays it vouches for), clears the sample, drives
@@ -27,6 +28,7 @@ from engine.loop.preflight import log_tool_problems
 from engine.loop.runtime import Runtime
 from engine.machine.rollout import Rollout
 from engine.profiles.reward import retool_score
+from engine.slime.dashboard import log_rollout  # noqa: F401  (slime loads it by this path)
 from engine.slime.sample_io import (
     ADAPTER_CRASHED,
     BAD_INPUT,
