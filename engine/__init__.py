@@ -1,37 +1,41 @@
 """A state-machine multi-turn rollout engine for LLM RL with tool calls: the library's face.
 
 Each sample walks one explicit machine (RESET, RESUME, BUDGET_CHECK, GENERATE, TOOL_CALL,
-a state per registered tool, TRIM, and the terminals COMPLETED, TRUNCATED, ABORTED,
-FAILED); its per-token arrays live in one `Trajectory` that keeps them aligned. slime uses
-`engine.slime.generate`; this face is for driving the engine without slime. A trajectory's loss
-mask is a `LossMask` (its runs of ones; `tolist()` gives one 0 or 1 per token).
+a state per registered tool, TRIM, and the terminals COMPLETED, TRUNCATED, ABORTED, FAILED).
+
+What users call, by who they are:
+
+- slime: `generate`, `reward_func`, `log_rollout` (also as `engine.slime.*`, the paths slime's
+  `--custom-*-path` flags name);
+- without slime: `EngineConfig` (the settings), `Runtime` (what samples share; an async context
+  manager), `roll_out` / `roll_out_all` (a prompt in, a slime-shaped sample out, with the attempts
+  policy), `sampling_params`; see docs/without-slime.md;
+- tool authors: `engine.tools` (`@tools.tool`, `tools.Tool`, `tools.ToolError`, ...);
+- format authors: `register_profile` and `Profile`.
 
 The packages, each with its rule of membership in its own docstring: `engine.machine` (the
 pure table), `engine.loop` (the async side), `engine.sglang` (the client of SGLang's
 `/generate`), `engine.profiles` (formats), `engine.slime` (the adapter), `engine.trace`
-(looking back), `engine.local` (stand-ins for slime and a GPU).
+(looking back), `engine.local` (stand-ins for slime and a GPU). What they hold beyond this face
+is internal and may change.
 """
 
 from engine.config import EngineConfig, RetryPolicy
-from engine.loop.driver import drive, new_rollout
 from engine.loop.runtime import Runtime
-from engine.machine.rollout import Rollout
-from engine.machine.states import State, Trigger
-from engine.machine.table import MachineSpec, get_machine
-from engine.machine.trajectory import InvariantViolation, LossMask, Trajectory
+from engine.profiles import Profile, register_profile
+from engine.rollouts import roll_out, roll_out_all, sampling_params
+from engine.slime import generate, log_rollout, reward_func
 
 __all__ = [
     "EngineConfig",
-    "InvariantViolation",
-    "LossMask",
-    "MachineSpec",
+    "Profile",
     "RetryPolicy",
-    "Rollout",
     "Runtime",
-    "State",
-    "Trajectory",
-    "Trigger",
-    "drive",
-    "get_machine",
-    "new_rollout",
+    "generate",
+    "log_rollout",
+    "register_profile",
+    "reward_func",
+    "roll_out",
+    "roll_out_all",
+    "sampling_params",
 ]

@@ -145,7 +145,15 @@ class Runtime:
         return frozenset(allowed)
 
     async def aclose(self) -> None:
+        """Close the HTTP pool."""
         await self.client.http.aclose()
+
+    async def __aenter__(self) -> Runtime:
+        """`async with Runtime.create(cfg) as rt:` closes the runtime however the block ends."""
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 def vocabulary_size(tokenizer: Any) -> int | None:
