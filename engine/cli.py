@@ -95,7 +95,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                        "(default: the demo's, in the chosen profile's format)")
     where.add_argument("--tokenizer", metavar="DIR", help="local tokenizer directory [hf_checkpoint] "
                        "(default: the shipped Qwen3 one)")
-    where.add_argument("--profile", choices=["retool", "chat"], help="prompt and turn format [engine_profile] (default: retool)")
+    where.add_argument("--profile", metavar="NAME", help="prompt and turn format: retool, chat, or one a --tool-module "
+                       "registers [engine_profile] (default: retool)")
 
     tools = run.add_argument_group("tools")
     tools.add_argument("--tool-module", metavar="MODULE", action="append", dest="tool_modules",

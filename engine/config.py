@@ -181,7 +181,7 @@ MAX_CONNECTIONS = 16384
 SETTINGS: dict[str, Setting] = {s.key: s for s in (
     # engine_* keys: set in the YAML of --custom-config-path (or `run --config`)
     Setting("engine_server_url", "url", None, "SGLang server or router URL (default: slime's router)"),
-    Setting("engine_profile", str, "retool", "prompt and turn format", choices=PROFILES),
+    Setting("engine_profile", str, "retool", "prompt and turn format: retool, chat, or one registered by an engine_tool_modules module"),
     Setting("engine_max_turns", int, 16, "model turns per sample", low=1, high=100_000),
     Setting("engine_max_tool_calls", int, 16, "tool calls per sample", low=0, high=1_000_000),
     Setting("engine_max_calls_per_turn", int, 8, "tool calls run per turn (the rest get an error)", low=1, high=10_000),

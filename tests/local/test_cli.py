@@ -71,7 +71,7 @@ def _cases(d: Path) -> dict[str, tuple[list[str], str]]:
         "top_p_zero": (["--top-p", "0", *out], "argument --top-p: must be a number > 0 and <= 1"),
         "top_p_nan": (["--top-p", "nan", *out], "argument --top-p: must be a number > 0 and <= 1"),
         "unknown_option": (["--bogus", *out], "unrecognized arguments: --bogus"),
-        "unknown_profile": (["--profile", "xml", *out], "argument --profile: invalid choice: 'xml'"),
+        "unknown_profile": (["--profile", "xml", *out], "--profile xml: unknown profile 'xml': registered are chat, retool"),
         "output_dir_missing": (["--output", str(d / "nowhere" / "o.jsonl")], "does not exist"),
         "output_is_a_directory": (["--output", str(d / "outdir")], "is a directory"),
         "output_unwritable": (["--output", "/proc/fsm-rollout-test.jsonl"], "--output /proc/fsm-rollout-test.jsonl: cannot write in /proc"),
