@@ -278,13 +278,11 @@ def _namespace_keys(args: Any) -> list[str]:
 
 
 def _hashable(value: Any) -> Any:
-    """A value as a cache key: lists (engine_tools from YAML) become tuples, the rest by identity if unhashable."""
-    if isinstance(value, list):
-        return tuple(_hashable(v) for v in value)
-    try:
-        hash(value)
-    except TypeError:
-        return ("unhashable", id(value))
+    """A value as a cache key of its type and value (lists, from YAML, item by item); TypeError
+    when it has none (then the settings are read afresh: an id could be reused by another value)."""
+    if type(value) in (list, tuple):
+        return (type(value), tuple(_hashable(v) for v in value))
+    hash(value)  # TypeError for the unhashable
     return (type(value), value)  # 1, 1.0 and True stay apart: they read differently
 
 
@@ -376,7 +374,10 @@ class EngineConfig:
         slime calls this once per sample with the same `args`: the result is remembered by the
         values it was read from, and the namespace is scanned for unknown keys once per object.
         """
-        seen = (id(args), tuple(_hashable(getattr(args, key, None)) for key in SETTINGS))
+        try:
+            seen = (id(args), tuple(_hashable(getattr(args, key, None)) for key in SETTINGS))
+        except TypeError:  # a value without an exact key (a dict, a set): nothing cached
+            return cls._read_args(args)
         cached = _from_args_cache.get(seen)
         if cached is not None:
             return cached
