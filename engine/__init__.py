@@ -1,46 +1,50 @@
 """A state-machine multi-turn rollout engine for LLM RL with tool calls: the library's face.
 
 Each sample walks one explicit machine (RESET, RESUME, BUDGET_CHECK, GENERATE, TOOL_CALL,
-a state per registered tool, TRIM, and the terminals COMPLETED, TRUNCATED, ABORTED,
-FAILED); its per-token arrays live in one `Trajectory` that keeps them aligned. slime uses
-`engine.slime.generate`; this face is for driving the engine without slime. A trajectory's loss
-mask is a `LossMask` (its runs of ones; `tolist()` gives one 0 or 1 per token).
+a state per registered tool, TRIM, and the terminals COMPLETED, TRUNCATED, ABORTED, FAILED).
+
+What users call, by who they are:
+
+- slime: `generate`, `reward_func`, `log_rollout` (also as `engine.slime.*`, the paths slime's
+  `--custom-*-path` flags name);
+- without slime: `EngineConfig` (the settings), `Runtime` (what samples share; an async context
+  manager), `roll_out` / `roll_out_all` (a prompt in, a slime-shaped sample out, with the attempts
+  policy), `sampling_params`; see docs/without-slime.md;
+- tool authors: `engine.tools` (`@tools.tool`, `tools.Tool`, `tools.ToolError`, ...);
+- format authors: `register_profile` and `Profile`.
 
 The packages, each with its rule of membership in its own docstring: `engine.machine` (the
 pure table), `engine.loop` (the async side), `engine.sglang` (the client of SGLang's
 `/generate`), `engine.profiles` (formats), `engine.slime` (the adapter), `engine.trace`
-(looking back), `engine.local` (stand-ins for slime and a GPU).
+(looking back), `engine.local` (stand-ins for slime and a GPU). What they hold beyond this face
+is internal and may change.
 """
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-# The face is loaded on first use (PEP 562): `engine.tools`, which a sandbox host or a bare
-# interpreter imports, must not pull in the engine's client, the machine and their dependencies.
+# The face is loaded on first use (PEP 562): `engine.tools`, which a sandbox host or a tool
+# author's module imports, must not pull in the engine's client, the machine and their dependencies.
 _FACE = {
     "EngineConfig": "engine.config",
     "RetryPolicy": "engine.config",
-    "drive": "engine.loop.driver",
-    "new_rollout": "engine.loop.driver",
     "Runtime": "engine.loop.runtime",
-    "Rollout": "engine.machine.rollout",
-    "State": "engine.machine.states",
-    "Trigger": "engine.machine.states",
-    "MachineSpec": "engine.machine.table",
-    "get_machine": "engine.machine.table",
-    "InvariantViolation": "engine.machine.trajectory",
-    "LossMask": "engine.machine.trajectory",
-    "Trajectory": "engine.machine.trajectory",
+    "Profile": "engine.profiles",
+    "register_profile": "engine.profiles",
+    "roll_out": "engine.rollouts",
+    "roll_out_all": "engine.rollouts",
+    "sampling_params": "engine.rollouts",
+    "generate": "engine.slime",
+    "log_rollout": "engine.slime",
+    "reward_func": "engine.slime",
 }
 
 if _TYPE_CHECKING:
     from engine.config import EngineConfig, RetryPolicy
-    from engine.loop.driver import drive, new_rollout
     from engine.loop.runtime import Runtime
-    from engine.machine.rollout import Rollout
-    from engine.machine.states import State, Trigger
-    from engine.machine.table import MachineSpec, get_machine
-    from engine.machine.trajectory import InvariantViolation, LossMask, Trajectory
+    from engine.profiles import Profile, register_profile
+    from engine.rollouts import roll_out, roll_out_all, sampling_params
+    from engine.slime import generate, log_rollout, reward_func
 
 
 def __getattr__(name: str) -> _Any:
@@ -57,19 +61,16 @@ def __getattr__(name: str) -> _Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_FACE))
 
-
 __all__ = [
     "EngineConfig",
-    "InvariantViolation",
-    "LossMask",
-    "MachineSpec",
+    "Profile",
     "RetryPolicy",
-    "Rollout",
     "Runtime",
-    "State",
-    "Trajectory",
-    "Trigger",
-    "drive",
-    "get_machine",
-    "new_rollout",
+    "generate",
+    "log_rollout",
+    "register_profile",
+    "reward_func",
+    "roll_out",
+    "roll_out_all",
+    "sampling_params",
 ]

@@ -270,7 +270,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     # engine_* keys: set in the YAML of --custom-config-path (or `run --config`)
     Setting("engine_server_url", "url", None, "SGLang server or router URL", unset="slime's router",
             flag=Flag("--server", "URL", SERVER, unset="start the embedded CPU server")),
-    Setting("engine_profile", str, "retool", "prompt and turn format", choices=PROFILES, flag=Flag("--profile", "NAME", SERVER)),
+    Setting("engine_profile", str, "retool", "prompt and turn format: retool, chat, or one registered by an engine_tool_modules module",
+            flag=Flag("--profile", "NAME", SERVER)),
     Setting("engine_max_turns", int, 16, "model turns per sample", low=1, high=100_000, flag=Flag("--max-turns")),
     Setting("engine_max_tool_calls", int, 16, "tool calls per sample", low=0, high=1_000_000, flag=Flag("--max-tool-calls", group=TOOLS)),
     Setting("engine_max_calls_per_turn", int, 8, "tool calls run per turn (the rest get an error)", low=1, high=10_000),
@@ -407,13 +408,11 @@ def _namespace_keys(args: Any) -> list[str]:
 
 
 def _hashable(value: Any) -> Any:
-    """A value as a cache key: lists (engine_tools from YAML) become tuples, the rest by identity if unhashable."""
-    if isinstance(value, list):
-        return tuple(_hashable(v) for v in value)
-    try:
-        hash(value)
-    except TypeError:
-        return ("unhashable", id(value))
+    """A value as a cache key of its type and value (lists, from YAML, item by item); TypeError
+    when it has none (then the settings are read afresh: an id could be reused by another value)."""
+    if type(value) in (list, tuple):
+        return (type(value), tuple(_hashable(v) for v in value))
+    hash(value)  # TypeError for the unhashable
     return (type(value), value)  # 1, 1.0 and True stay apart: they read differently
 
 
@@ -485,8 +484,9 @@ def fully_async(get: Get) -> bool:
 _PLAIN_NAMESPACES = (argparse.Namespace, types.SimpleNamespace)
 
 
-def _args_key(args: Any) -> Any:
-    """What `from_args` remembers a config by: the object and the value (and type) of every key read.
+def _args_key(args: Any) -> Any | None:
+    """What `from_args` remembers a config by: the object and the value (and type) of every key read;
+    None when a value has no exact key (then nothing is cached: an id could be reused by another value).
 
     Built in C where it can (the namespace's dict, `map`): slime asks once per sample.
     """
@@ -494,11 +494,14 @@ def _args_key(args: Any) -> Any:
         values = tuple(map(vars(args).get, ENGINE_KEYS))
     else:
         values = tuple(getattr(args, key, None) for key in ENGINE_KEYS)
-    key = (id(args), values, tuple(map(type, values)))  # 1, 1.0 and True stay apart: they read differently
+    types = tuple(map(type, values))  # 1, 1.0 and True stay apart: they read differently
     try:
+        if list in types or tuple in types:  # engine_tools from YAML: item by item, with their types
+            return (id(args), tuple(map(_hashable, values)))
+        key = (id(args), values, types)
         hash(key)
-    except TypeError:  # a list (engine_tools from YAML) or another unhashable value
-        return (id(args), tuple(map(_hashable, values)))
+    except TypeError:  # a value without an exact key (a dict, a set)
+        return None
     return key
 
 
@@ -594,6 +597,8 @@ class EngineConfig:
         by the values it was read from, and the namespace is scanned for unknown keys once per object.
         """
         seen = _args_key(args)
+        if seen is None:  # a value without an exact key (a dict, a set): nothing cached
+            return cls._read_args(args)
         cached = _from_args_cache.get(seen)
         if cached is not None:
             return cached

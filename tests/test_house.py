@@ -130,8 +130,8 @@ def test_tools_knows_nothing_of_the_engine() -> None:
 
 
 @pytest.mark.parametrize("module, expected", [
-    (engine, ["EngineConfig", "InvariantViolation", "LossMask", "MachineSpec", "RetryPolicy", "Rollout", "Runtime", "State",
-              "Trajectory", "Trigger", "drive", "get_machine", "new_rollout"]),
+    (engine, ["EngineConfig", "Profile", "RetryPolicy", "Runtime", "generate", "log_rollout", "register_profile",
+              "reward_func", "roll_out", "roll_out_all", "sampling_params"]),
     (tools, ["Tool", "ToolError", "ToolResult", "ToolUnavailable", "call_timeout", "count", "get", "names", "register", "tool"]),
 ])
 def test_the_faces_export_a_deliberate_list(module: object, expected: list[str]) -> None:

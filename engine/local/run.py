@@ -268,8 +268,8 @@ def plan_run(ns: argparse.Namespace) -> Plan:
         except (OSError, ValueError) as exc:
             raise UsageError(f"--replay {replay}: {getattr(exc, 'strerror', None) or exc}") from None
     samples = expand_groups(read_input(in_path, ns.limit), sampling["n_samples_per_prompt"])
+    offered = check_tools(ns, cfg)  # first: a tool module may register the profile
     tokenizer = check_tokenizer(ns, cfg)
-    offered = check_tools(ns, cfg)
     from engine.loop.preflight import check_tools_sync, describe
 
     problems = check_tools_sync(offered)

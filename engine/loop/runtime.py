@@ -6,7 +6,6 @@ import asyncio
 import collections
 import gc
 import importlib
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,7 +41,7 @@ class Runtime:
     # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
-    _prompts: OrderedDict[tuple[str, frozenset[str], str, int], tuple[int, ...]] = attrs.field(factory=OrderedDict)
+    _prompts: OrderedDict[Any, tuple[int, ...]] = attrs.field(factory=OrderedDict)  # exact_key(prompt), tools, ... -> ids
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
@@ -70,15 +69,19 @@ class Runtime:
         """
         if not getattr(self.profile, "renders_sample_schemas", False):
             own_schemas = None  # retool shows the example's tool spec, whatever the dataset says
-        text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
-        own = json.dumps(own_schemas, sort_keys=True, default=str) if own_schemas else ""
-        key = (text, allowed, own, tools.registry.version())  # a re-registered tool may change its schema
-        ids = self._prompts.get(key)
+        # Keyed by exactly what is rendered (types, values, dict order): a prompt and its JSON text,
+        # or 1 and "1", never share an entry. A prompt holding something that cannot be keyed
+        # exactly is rendered every time instead.
+        frozen, own = exact_key(prompt), exact_key(own_schemas or None)
+        key = None if frozen is None or own is None else (frozen, allowed, own, tools.registry.version())
+        ids = self._prompts.get(key) if key is not None else None
         if ids is None:
             schemas = self.tool_schemas(allowed, own_schemas)
-            ids = self._prompts[key] = tuple(self.profile.render_prompt(prompt, schemas))
-            if len(self._prompts) > PROMPT_CACHE:
-                self._prompts.popitem(last=False)
+            ids = tuple(self.profile.render_prompt(prompt, schemas))
+            if key is not None:  # a re-registered tool may change its schema: the version is in the key
+                self._prompts[key] = ids
+                if len(self._prompts) > PROMPT_CACHE:
+                    self._prompts.popitem(last=False)
         else:
             self._prompts.move_to_end(key)
         return ids
@@ -145,7 +148,33 @@ class Runtime:
         return frozenset(allowed)
 
     async def aclose(self) -> None:
+        """Close the HTTP pool."""
         await self.client.http.aclose()
+
+    async def __aenter__(self) -> Runtime:
+        """`async with Runtime.create(cfg) as rt:` closes the runtime however the block ends."""
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def exact_key(value: Any) -> Any:
+    """A hashable key equal for two values only when they hold the same types and values all the way
+    down (1, 1.0, True and "1" apart; -0.0 and 0.0 apart; dicts in their order), or None when a
+    part is of a type that cannot be keyed so (then nothing may be cached for it)."""
+    kind = type(value)
+    if value is None or kind in (str, int, bool, bytes):
+        return (kind, value)
+    if kind is float:
+        return (kind, repr(value))  # nan equals itself here, and -0.0 is not 0.0
+    if kind in (list, tuple):
+        parts = tuple(exact_key(v) for v in value)
+        return None if any(p is None for p in parts) else (kind, parts)
+    if kind is dict:
+        items = tuple((exact_key(k), exact_key(v)) for k, v in value.items())
+        return None if any(k is None or v is None for k, v in items) else (kind, items)
+    return None
 
 
 def vocabulary_size(tokenizer: Any) -> int | None:

@@ -3,6 +3,7 @@
     --custom-generate-function-path engine.slime.generate
     --custom-rm-path engine.slime.reward_func
     --custom-config-path engine.yaml      # engine_profile, engine_max_turns, ...
+    --custom-rollout-log-function-path engine.slime.log_rollout   # the engine's figures on the dashboard
 
 `generate` reads what the engine needs from the sample (prompt, tools, session id, and with
 `--partial-rollout` the checkpoint and the arrays it vouches for), clears the sample, drives
@@ -27,6 +28,7 @@ from engine.loop.preflight import log_tool_problems
 from engine.loop.runtime import Runtime
 from engine.machine.rollout import Rollout
 from engine.profiles.reward import retool_score
+from engine.slime.dashboard import log_rollout  # noqa: F401  (slime loads it by this path)
 from engine.slime.sample_io import (
     ADAPTER_CRASHED,
     BAD_INPUT,
@@ -69,14 +71,19 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
     try:
         inp = read_input(sample, sampling_params)
     except BadInput as exc:
-        return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params)
+        return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt))
     except Exception as exc:  # a sample object whose attributes raise
-        return _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
+        return _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params, _placeholder(rt))
     current: list[Rollout] = []
     try:
         saved = read_checkpoint(sample) if rt.cfg.partial_rollout else None
         clear_sample(sample)  # an earlier attempt's fields are gone before anything new is written (I5)
         offered = rt.allowed_tools(inp.tool_names)
+        try:  # a prompt the format cannot render is the sample's problem, not an engine crash
+            await rt.prompt_ids(inp.prompt, offered, inp.tool_schemas)
+        except Exception as exc:
+            return _unrolled(sample, BAD_INPUT, f"prompt: the {rt.cfg.profile} format cannot render it "
+                             f"({type(exc).__name__}: {exc})", rt.cfg, sampling_params, _placeholder(rt))
 
         def make(number: int) -> Rollout:
             # Only the first attempt may resume a checkpoint; a re-run starts from RESET.
@@ -91,7 +98,8 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
         raise
     except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
         log.exception("engine adapter failed on a sample")
-        return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
+        return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                         _placeholder(rt))
     try:
         write_sample(sample, outcome.rollout, attempts=outcome.attempts, exhausted=outcome.exhausted)
         unserved = sorted((inp.tool_names or frozenset()) - offered)
@@ -99,14 +107,47 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
             sample.metadata["fsm"]["tools_unavailable"] = unserved
     except Exception as exc:
         log.exception("engine adapter failed writing a sample")
-        _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params)
+        _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params, _placeholder(rt))
     return sample
 
 
-def _unrolled(sample: Any, reason: str, error: str, cfg: EngineConfig | None, sampling_params: Any) -> Any:
+def _placeholder(rt: Runtime | None, args: Any = None) -> tuple[int, str]:
+    """The placeholder's token (pad, else end of sequence) and its text as the engine decodes it.
+
+    Without a runtime (its settings were unusable) the job's tokenizer is tried (`hf_checkpoint`);
+    (0, "") only when none loads.
+    """
+    if rt is None:
+        path = getattr(args, "hf_checkpoint", None)
+        key = (type(path), path) if path is None or isinstance(path, str) else None
+        if key in _placeholders:
+            return _placeholders[key]
+    try:
+        if rt is not None:
+            tokenizer, decode = rt.tokenizer, rt.profile.decode
+        else:
+            from engine.profiles.tokenizer import Codec, load_tokenizer
+
+            tokenizer = load_tokenizer(path if key is not None else None)
+            decode = Codec(tokenizer).decode
+        token = next((t for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
+                      if isinstance(t, int) and not isinstance(t, bool) and t >= 0), 0)
+        found = token, decode([token])
+    except Exception:  # no tokenizer at all: the sample is still well-formed and untrained
+        found = 0, ""
+    if rt is None and key is not None:
+        _placeholders[key] = found  # one load (or failure) per path, not one per sample
+    return found
+
+
+_placeholders: dict[Any, tuple[int, str]] = {}
+
+
+def _unrolled(sample: Any, reason: str, error: str, cfg: EngineConfig | None, sampling_params: Any,
+              placeholder: tuple[int, str] = (0, "")) -> Any:
     """End a sample that never finished the machine; a sample that cannot even be written is logged."""
     try:
-        write_unrolled(sample, reason, error, cfg, sampling_params)
+        write_unrolled(sample, reason, error, cfg, sampling_params, placeholder)
     except Exception:  # the sample refuses its fields: nothing more can be done than to say so
         log.exception("could not write the outcome (%s: %s) into the sample", reason, error)
     return sample
@@ -126,7 +167,8 @@ async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: boo
             await log_tool_problems(rt.allowed_tools())
     except Exception as exc:  # settings or tokenizer unusable: every sample says so, none crashes
         _log_setup_failure(exc)
-        return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params)
+        return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params,
+                         _placeholder(None, args))
     return await run_sample(rt, sample, sampling_params)
 
 

@@ -258,17 +258,20 @@ def _add(info: Any, stats: dict[str, int]) -> None:
         add(dict(stats))
 
 
-def write_unrolled(sample: Any, reason: str, error: str, cfg: Any = None, sampling_params: Any = None) -> None:
+def write_unrolled(sample: Any, reason: str, error: str, cfg: Any = None, sampling_params: Any = None,
+                   placeholder: tuple[int, str] = (0, "")) -> None:
     """End a sample that never reached the machine (bad input, setup failed, an adapter bug).
 
     slime trains FAILED samples, so it gets the dummy slime's own coding-agent example uses: a
     one-token response with mask 0 and `remove_sample=True`, so conversion and the trainer see
     well-formed arrays (top-p replay and routed experts included when they are on) and nothing
-    of it is trained.
+    of it is trained. `placeholder` is the token of the prompt and the response, with its text
+    (the response is the decode of its one id, I3); (0, "") only when no tokenizer could be had.
     """
     clear_sample(sample)
-    sample.tokens = [0, 0]
-    sample.response = ""
+    token, text = placeholder
+    sample.tokens = [token, token]
+    sample.response = text
     sample.response_length = 1
     sample.loss_mask = [0]
     sample.rollout_log_probs = [0.0]

@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from engine.machine.table import MachineSpec
-from engine.trace.drawing import FAULT_TRIGGERS, machine_dot, machine_mermaid, machine_svg, svg_digest, svg_edge_id
+from engine.trace.drawing import (
+    FAULT_TRIGGERS,
+    SvgUnavailable,
+    drawing_digest,
+    machine_dot,
+    machine_mermaid,
+    machine_svg,
+    svg_digest,
+    svg_edge_id,
+)
 from engine.trace.paths import Overlay, builtin_spec, flow_overlay, flow_table, spec_for_samples, timeline, trace_overlay
 from engine.trace.samples_file import has_traces, load_samples, metadata, select_sample, status_name
 
@@ -87,14 +96,14 @@ def readme_text(spec: MachineSpec) -> str:
     return "\n".join(parts)
 
 
-def render_diagrams(spec: MachineSpec | None = None) -> dict[str, bytes]:
-    """The contents of every checked-in diagram file, by name."""
+def render_diagrams(spec: MachineSpec | None = None, *, svg: bool = True) -> dict[str, bytes]:
+    """The contents of every checked-in diagram file, by name (the SVG only with `svg`:
+    it needs pygraphviz, SvgUnavailable without it)."""
     spec = spec or builtin_spec()
-    return {
-        "machine.mmd": machine_mermaid(spec).encode(),
-        "machine.svg": machine_svg(spec),
-        "README.md": readme_text(spec).encode(),
-    }
+    files = {"machine.mmd": machine_mermaid(spec).encode(), "README.md": readme_text(spec).encode()}
+    if svg:
+        files["machine.svg"] = machine_svg(spec)
+    return files
 
 
 README_START = "<!-- machine diagram: written by `python -m engine diagram`, do not edit -->"
@@ -116,17 +125,26 @@ def _project_readme(out_dir: Path, spec: MachineSpec) -> tuple[Path, str, str] |
     return path, text, head + block + tail
 
 
-def write_diagrams(out_dir: str | Path, spec: MachineSpec | None = None) -> list[Path]:
+def write_diagrams(out_dir: str | Path, spec: MachineSpec | None = None, *,
+                   skipped: list[str] | None = None) -> list[Path]:
     """Write machine.mmd, machine.svg and README.md into `out_dir`; return their paths.
 
     The compact drawing embedded in the project's README (between its markers) is
-    rewritten too, so the README never shows an old machine.
+    rewritten too, so the README never shows an old machine. Without pygraphviz the SVG
+    is left out and its reason appended to `skipped` (SvgUnavailable when none is given).
     """
     spec = spec or builtin_spec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, data in render_diagrams(spec).items():
+    files = render_diagrams(spec, svg=False)
+    try:
+        files["machine.svg"] = machine_svg(spec)
+    except SvgUnavailable as exc:
+        if skipped is None:
+            raise
+        skipped.append(f"{out / 'machine.svg'} not drawn: {exc}")
+    for name, data in files.items():
         (out / name).write_bytes(data)
         written.append(out / name)
     readme = _project_readme(out, spec)
@@ -147,12 +165,14 @@ def stale_diagrams(out_dir: str | Path, spec: MachineSpec | None = None) -> list
     readme = _project_readme(out, spec)
     if readme is not None and readme[1] != readme[2]:
         stale.append(str(readme[0]))
-    for name, fresh in render_diagrams(spec).items():
+    for name, fresh in render_diagrams(spec, svg=False).items():
         path = out / name
         old = path.read_bytes() if path.is_file() else None
-        same = old is not None and (svg_digest(old) == svg_digest(fresh) if name.endswith(".svg") else old == fresh)
-        if not same:
+        if old != fresh:
             stale.append(str(path))
+    svg = out / "machine.svg"  # compared by digest: no Graphviz needed
+    if not svg.is_file() or svg_digest(svg.read_bytes()) != drawing_digest(spec):
+        stale.append(str(svg))
     return stale
 
 
@@ -165,7 +185,7 @@ def write_drawing(path: str | Path, spec: MachineSpec, overlay: Overlay | None =
     if path.suffix not in OUT_SUFFIXES:
         raise ValueError(f"--out must end in .mmd or .svg, got {path.name}")
     if path.suffix == ".svg":
-        path.write_bytes(machine_svg(spec, overlay))
+        path.write_bytes(machine_svg(spec, overlay))  # SvgUnavailable without pygraphviz: nothing written
     else:
         text = machine_mermaid(spec, overlay)
         path.write_text(f"```mermaid\n{text}```\n" if path.suffix == ".md" else text, encoding="utf-8")
@@ -189,13 +209,16 @@ def main_diagram(ns: argparse.Namespace) -> int:
             return 1
         print(f"{ns.out}: current")
         return 0
+    skipped: list[str] = []
     try:
-        written = write_diagrams(ns.out, spec)
+        written = write_diagrams(ns.out, spec, skipped=skipped)
     except OSError as exc:
         print(f"error: --out {ns.out}: cannot write there ({exc.strerror or exc})", file=sys.stderr)
         return 2
     for path in written:
         print(f"wrote {path}")
+    for note in skipped:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
@@ -281,7 +304,12 @@ def _check_out(out: str | None) -> None:
 
 def _emit(out: str | None, spec: MachineSpec, overlay: Overlay) -> int:
     if out:
-        print(f"wrote {write_drawing(out, spec, overlay)}")
+        try:
+            print(f"wrote {write_drawing(out, spec, overlay)}")
+        except SvgUnavailable as exc:  # the Mermaid needs nothing: write it beside, and say why
+            mermaid = Path(out).with_suffix(".mmd")
+            print(f"wrote {write_drawing(mermaid, spec, overlay)}")
+            print(f"note: {out} not drawn: {exc}", file=sys.stderr)
     else:  # the mermaid follows the printed report
         print()
         print(machine_mermaid(spec, overlay), end="")

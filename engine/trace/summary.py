@@ -21,6 +21,10 @@ from engine.trace.turns import Decode, error_texts
 # kind is a call that ran and failed.
 PLAN_ERRORS = frozenset({"malformed_call", "unknown_tool", "surplus_call", "error"})
 NOT_FAILURES = PLAN_ERRORS | {"output_truncated"}
+# For the batch's promises (a warning when most calls of a tool fail the same way, exit 1 when
+# every call failed), a call answered with an error without running failed too: a model that
+# only calls a tool it is not offered, or only writes calls that cannot be parsed, got nothing.
+NOT_ANSWERED_FAILURES = frozenset({"output_truncated"})
 SHOWN_TEXTS = 5
 ENGINE_ERROR_CHARS = 120
 
@@ -52,8 +56,8 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
             names = turn.get("tools") or []
             tools_used.update(name for name in names if name)
             kinds = turn.get("errors")  # per result, when the engine records it
-            if isinstance(kinds, list) and len(kinds) == len(names):
-                per_tool.update((n, k) for n, k in zip(names, kinds) if n and k not in PLAN_ERRORS)
+            if isinstance(kinds, (list, tuple)) and len(kinds) == len(names):
+                per_tool.update((n, k) for n, k in zip(names, kinds) if n)
     texts: Counter[str] = Counter()
     if decode is not None:
         for s in samples:
@@ -64,7 +68,7 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
         "status": Counter(status_name(s) for s in samples),
         "termination_reason": Counter(str(m.get("termination_reason")) for m in metas),
         "turns": _stats([len(m.get("turns") or []) for m in metas]),
-        "tool_calls": _stats([(m.get("tool_stats") or {}).get("calls", 0) for m in metas]),
+        "tool_calls": _stats([_answered_calls(m) for m in metas]),
         "tool_errors": errors,
         "tool_error_texts": texts,
         "tools_used": tools_used,
@@ -80,6 +84,15 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
     }
 
 
+def _answered_calls(m: dict[str, Any]) -> int:
+    """Every call the model made, each answered: those that ran and those refused before running."""
+    stats = m.get("tool_stats") or {}
+    errors = stats.get("errors") or {}
+    ran = stats.get("calls", 0)
+    refused = sum(n for kind, n in errors.items() if kind in PLAN_ERRORS and isinstance(n, int))
+    return (ran if isinstance(ran, int) else 0) + refused
+
+
 def failed_calls(summary: dict[str, Any]) -> int:
     """Tool calls that ran and failed (not calls answered before running, not truncated outputs)."""
     return count_failed_calls(summary["tool_errors"])
@@ -88,6 +101,11 @@ def failed_calls(summary: dict[str, Any]) -> int:
 def count_failed_calls(errors: dict[str, int]) -> int:
     """How many of these error kinds are calls that ran and failed."""
     return sum(n for kind, n in errors.items() if kind not in NOT_FAILURES)
+
+
+def failed_answers(summary: dict[str, Any]) -> int:
+    """Tool calls whose answer was an error, run or not (a cut output is not one)."""
+    return sum(n for kind, n in summary["tool_errors"].items() if kind not in NOT_ANSWERED_FAILURES)
 
 
 def warnings(summary: dict[str, Any]) -> list[str]:
@@ -99,7 +117,7 @@ def warnings(summary: dict[str, Any]) -> list[str]:
     if per_tool:
         return _per_tool_warnings(summary, per_tool)
     calls = int(summary["tool_calls"]["sum"])
-    ran = Counter({k: n for k, n in summary["tool_errors"].items() if k not in NOT_FAILURES})
+    ran = Counter({k: n for k, n in summary["tool_errors"].items() if k not in NOT_ANSWERED_FAILURES})
     out = []
     if calls and ran:
         kind, n = ran.most_common(1)[0]
@@ -115,12 +133,15 @@ def _per_tool_warnings(summary: dict[str, Any], per_tool: Counter[tuple[str, str
     out = []
     for tool in sorted({t for t, _ in per_tool}):
         calls = sum(n for (t, _), n in per_tool.items() if t == tool)
-        failed = Counter({k: n for (t, k), n in per_tool.items() if t == tool and k not in NOT_FAILURES and k})
+        failed = Counter({k: n for (t, k), n in per_tool.items() if t == tool and k not in NOT_ANSWERED_FAILURES and k})
         if failed:
             kind, n = failed.most_common(1)[0]
             if 2 * n > calls:
-                text = summary["tool_error_texts"].most_common(1)
-                said = f": {text[0][0]}" if text and len(failed) == 1 and len({t for t, _ in per_tool}) == 1 else ""
+                if kind == "unknown_tool":
+                    said = ": the tool is not offered (offer it with --tools, or register it with --tool-module)"
+                else:
+                    text = summary["tool_error_texts"].most_common(1)
+                    said = f": {text[0][0]}" if text and len(failed) == 1 and len({t for t, _ in per_tool}) == 1 else ""
                 out.append(f"{n} of {calls} calls of {tool} failed with '{kind}'{said}")
     return out
 
@@ -132,8 +153,9 @@ def batch_failure(summary: dict[str, Any]) -> str | None:
     if n and not good:
         return f"every sample failed ({', '.join(f'{k} {v}' for k, v in summary['status'].most_common())})"
     calls = int(summary["tool_calls"]["sum"])
-    if calls and failed_calls(summary) >= calls:
-        return f"every tool call failed ({calls} of {calls})"
+    if calls and failed_answers(summary) >= calls:
+        kinds = Counter({k: n for k, n in summary["tool_errors"].items() if k not in NOT_ANSWERED_FAILURES})
+        return f"every tool call failed ({calls} of {calls}: {', '.join(f'{k} {n}' for k, n in kinds.most_common())})"
     return None
 
 

@@ -71,7 +71,7 @@ def _cases(d: Path) -> dict[str, tuple[list[str], str]]:
         "top_p_zero": (["--top-p", "0", *out], "argument --top-p: must be a number > 0 and <= 1"),
         "top_p_nan": (["--top-p", "nan", *out], "argument --top-p: must be a number > 0 and <= 1"),
         "unknown_option": (["--bogus", *out], "unrecognized arguments: --bogus"),
-        "unknown_profile": (["--profile", "xml", *out], "argument --profile: invalid choice: 'xml'"),
+        "unknown_profile": (["--profile", "xml", *out], "--profile xml: unknown profile 'xml': registered are chat, retool"),
         "output_dir_missing": (["--output", str(d / "nowhere" / "o.jsonl")], "does not exist"),
         "output_is_a_directory": (["--output", str(d / "outdir")], "is a directory"),
         "output_unwritable": (["--output", "/proc/fsm-rollout-test.jsonl"], "--output /proc/fsm-rollout-test.jsonl: cannot write in /proc"),
@@ -155,12 +155,30 @@ def test_the_summary_of_a_run_with_failing_tools_names_the_error(tmp_path: Path)
     got = engine("run", "--no-progress", "--limit", "3", "--tool-module", "tests.support.plugins.failing_sandbox",
                  cwd=tmp_path)
     assert got.code == 1, got.err  # every call failed: not a success, whatever the statuses say
-    assert "error: every tool call failed (3 of 3)" in got.err
+    assert "error: every tool call failed (3 of 3: sandbox 3)" in got.err
     assert f"       3  {TEXT}" in got.out  # the most common error text, with its count
     assert f"warning: 3 of 3 calls of code_interpreter failed with 'sandbox': {TEXT}" in got.out
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2]
     assert "Traceback" not in got.err
+
+
+def test_a_run_offering_only_a_tool_the_model_never_calls_warns_and_exits_1(tmp_path: Path) -> None:
+    """The demo with only the user's `calculator` offered: every call the model makes names
+    code_interpreter and is answered 'unknown tool'. Those are calls, and every one failed."""
+    (tmp_path / "calc.py").write_text(
+        "from engine import tools\n\n\n@tools.tool\nasync def calculator(expression: str) -> str:\n"
+        "    \"\"\"Evaluate an arithmetic expression.\"\"\"\n    return str(eval(expression, {}, {}))\n")
+    env_path = os.pathsep.join([str(tmp_path), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": env_path}
+    done = subprocess.run([sys.executable, "-m", "engine", "run", "--no-progress", "--tool-module", "calc",
+                           "--tools", "calculator"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "error: every tool call failed (20 of 20: unknown_tool 19, malformed_call 1)" in done.stderr
+    assert "warning: 19 of 19 calls of code_interpreter failed with 'unknown_tool': the tool is not offered" in done.stdout
+    tool_calls_row = next(line for line in done.stdout.splitlines() if line.startswith("tool_calls"))
+    assert tool_calls_row.split()[-1] == "20"  # the 19 calls of code_interpreter and one malformed call
+    assert "Traceback" not in done.stderr
 
 
 # -- a working run: the chat demo, GRPO groups, rows in input order, trace --text -------------------------

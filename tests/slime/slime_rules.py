@@ -78,3 +78,32 @@ def slime_aborting() -> Iterator[None]:
             sys.modules.pop(module.__name__, None)
         else:
             sys.modules[module.__name__] = saved
+
+
+class RecordingLogger:
+    """slime's `logging_utils` with its `log(args, metrics, step_key=...)` stubbed: records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, Any], str]] = []
+
+    def log(self, args: Any, metrics: dict[str, Any], step_key: str) -> None:
+        self.calls.append((dict(metrics), step_key))
+
+
+def log_rollout_data(rollout_id: int, args: Any, samples: list[Any], rollout_extra_metrics: Any, rollout_time: float,
+                     *, load_function: Any, logging_utils: RecordingLogger) -> None:
+    """slime HEAD's rollout logging step, as its contract reads: the custom log function first
+    (a True return skips the rest); with debug data loaded nothing is logged; otherwise slime's own
+    dict starts from `rollout_extra_metrics`, adds its `rollout/` and `perf/` figures and the step,
+    and goes to its logger once. Its own figures are stood in by two it always computes."""
+    path = getattr(args, "custom_rollout_log_function_path", None)
+    if path is not None and load_function(path)(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+        return
+    if getattr(args, "load_debug_rollout_data", None):
+        return
+    log_dict = {**(rollout_extra_metrics or {})}
+    lengths = [s.response_length for s in samples]
+    log_dict["rollout/response_len/mean"] = sum(lengths) / len(lengths)
+    log_dict["perf/rollout_time"] = rollout_time
+    log_dict["rollout/step"] = rollout_id
+    logging_utils.log(args, log_dict, step_key="rollout/step")

@@ -385,3 +385,44 @@ def test_diagram_draws_a_users_tool_module(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --tool-module no_such_module_xyz: cannot import it (ModuleNotFoundError")
     assert len(err.splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+# -- without the diagrams extra: every drawing command still works, and says what it left out ------------
+
+
+def _without_pygraphviz(*argv: str, cwd: Path) -> Any:
+    """`python -m engine ARGV` in a subprocess where `import pygraphviz` fails (a venv with only `[local]`)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; sys.modules['pygraphviz'] = None; from engine.cli import main; "
+            f"sys.argv = ['python -m engine']; sys.exit(main({list(argv)!r}))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+NOTE = "SVG drawings need pygraphviz, which is not installed: pip install 'fsm-rollout-engine[diagrams]'"
+
+
+def test_diagram_without_pygraphviz_writes_the_mermaid_and_names_the_extra(tmp_path: Path) -> None:
+    done = _without_pygraphviz("diagram", "--out", "d", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["README.md", "machine.mmd"]
+    assert (tmp_path / "d" / "machine.mmd").read_text() == machine_mermaid(builtin_spec())
+    assert done.stderr.strip().splitlines() == [f"note: d/machine.svg not drawn: {NOTE}"]
+    # --check compares an SVG by the digest of its drawing: it needs no Graphviz either
+    check = _without_pygraphviz("diagram", "--check", "--out", str(DIAGRAMS), cwd=tmp_path)
+    assert check.returncode == 0 and check.stdout.strip().endswith(": current"), check.stderr
+
+
+@pytest.mark.parametrize("command", ["trace", "flow"])
+def test_trace_and_flow_out_svg_without_pygraphviz_write_the_mermaid_beside_it(jsonl: Path, tmp_path: Path,
+                                                                              command: str) -> None:
+    done = _without_pygraphviz(command, str(jsonl), "--out", "drawing.svg", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines() == [f"note: drawing.svg not drawn: {NOTE}"]
+    assert not (tmp_path / "drawing.svg").exists()
+    assert "\nstateDiagram-v2\n" in (tmp_path / "drawing.mmd").read_text()
+    assert "wrote drawing.mmd" in done.stdout

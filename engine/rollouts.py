@@ -1,0 +1,57 @@
+"""Rolling samples out without slime: a prompt in, a slime-shaped sample out, attempts policy and all.
+
+    async with Runtime.create(EngineConfig(server_url="http://127.0.0.1:30000")) as rt:
+        sample = await roll_out(rt, "What is 6 * 7?", label="42")
+
+Membership: the few functions a caller without slime needs around `Runtime`. Each sample goes
+through the adapter's own path (`engine.slime.run_sample`): the same attempts policy (a
+transiently failed attempt is re-run, each failure in `metadata["fsm"]["attempts"]`), the same
+statuses and termination reasons, the same per-token arrays as under slime. The sample is the
+stand-in for slime's `Sample` (`engine.local.sample.Sample`), imported when first needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from engine.loop.runtime import Runtime
+
+# What slime's own generate asks of SGLang besides temperature, top-p and the length cap.
+FIXED_PARAMS = {"no_stop_trim": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
+
+
+def sampling_params(temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 512) -> dict[str, Any]:
+    """The sampling parameters slime's rollout would hand a generate function."""
+    return {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, **FIXED_PARAMS}
+
+
+async def roll_out(rt: Runtime, prompt: Any, params: dict[str, Any] | None = None, *, label: Any = None,
+                   metadata: dict[str, Any] | None = None, index: int | None = None, score: bool = True) -> Any:
+    """Roll one prompt (a string or a list of chat messages) out; return the finished sample.
+
+    Never raises but CancelledError: whatever goes wrong is the sample's status and
+    `metadata["fsm"]["termination_reason"]`. With `score`, `sample.reward` is the retool reward.
+    """
+    from engine.local.sample import Sample
+    from engine.slime import reward_func, run_sample
+
+    sample = Sample(prompt=prompt, label=label, index=index, metadata=dict(metadata or {}))
+    await run_sample(rt, sample, dict(params if params is not None else sampling_params()))
+    if score and sample.status.name != "ABORTED":
+        sample.reward = await reward_func(None, sample)
+    return sample
+
+
+async def roll_out_all(rt: Runtime, prompts: Iterable[Any], params: dict[str, Any] | None = None, *,
+                       n_samples_per_prompt: int = 1, score: bool = True) -> list[Any]:
+    """Roll every prompt out `n_samples_per_prompt` times, concurrently; samples in input order."""
+    jobs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(n_samples_per_prompt)]
+    samples = await asyncio.gather(*(roll_out(rt, prompt, params, index=k, score=score) for k, (_, prompt) in enumerate(jobs)))
+    for sample, (group, _) in zip(samples, jobs):
+        sample.group_index = group
+    return list(samples)
+
+
+__all__ = ["roll_out", "roll_out_all", "sampling_params"]

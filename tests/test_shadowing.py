@@ -1,0 +1,120 @@
+"""The engine imports and runs from slime's checkout layout, whatever sits beside the user's script.
+
+slime's repository has a `tools/` folder at its root, where `train.py` runs; with the engine's tool
+package at top level, that folder (with or without `__init__`) shadowed it. Here each layout is built
+in a temporary directory with a script that imports `engine.slime` and calls real things, run in a
+subprocess, once with the project as this interpreter has it (the README's editable install in CI)
+and once from a plain install (`pip install --target`). A user's own package named `engine` truly
+takes the name: `fsm_rollout_engine` (and the `fsm-rollout` script) then stops with one line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import asyncio, sys, types
+import engine.slime
+from engine import tools
+sample = types.SimpleNamespace(response="Answer: \\\\boxed{42}", label="42", metadata={})
+score = asyncio.run(engine.slime.reward_func(None, sample))
+print(engine.__file__)
+print(score["score"], "code_interpreter" in tools.names(), engine.slime.log_rollout.__name__)
+"""
+
+
+def checkout(root: Path, *, tools_init: bool) -> Path:
+    """slime's layout: `tools/` (a script folder, here with a `registry.py`) beside `train.py`."""
+    root.mkdir(parents=True)
+    (root / "tools").mkdir()
+    (root / "tools" / "registry.py").write_text("raise SystemExit('slime checkout tools/registry.py was imported')\n")
+    if tools_init:
+        (root / "tools" / "__init__.py").write_text("")
+    (root / "train.py").write_text(SCRIPT)
+    return root
+
+
+def run_script(where: Path, path_entries: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if path_entries:
+        env["PYTHONPATH"] = os.pathsep.join(path_entries)
+    return subprocess.run([sys.executable, *args], cwd=where, env=env, capture_output=True, text=True, timeout=180)
+
+
+def _as_tested() -> list[str]:
+    """The project as the tests import it (PYTHONPATH when the checkout is not installed)."""
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+@pytest.fixture(scope="module")
+def plain_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain (non-editable) install of this checkout into a folder of its own."""
+    target = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.skip(f"pip cannot build a plain install here: {done.stderr.strip().splitlines()[-1:]}")
+    return target
+
+
+@pytest.mark.parametrize("tools_init", [False, True], ids=["tools-without-init", "tools-with-init"])
+def test_slime_checkout_layout_with_the_project_as_installed(tmp_path: Path, tools_init: bool) -> None:
+    root = checkout(tmp_path / "slime", tools_init=tools_init)
+    done = run_script(root, _as_tested(), "train.py")
+    assert done.returncode == 0, done.stderr
+    where, result = done.stdout.strip().splitlines()[-2:]
+    assert Path(where).resolve().parent == ROOT / "engine"
+    assert result == "1.0 True log_rollout"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tools_init", [False, True], ids=["tools-without-init", "tools-with-init"])
+def test_slime_checkout_layout_with_a_plain_install(tmp_path: Path, plain_install: Path, tools_init: bool) -> None:
+    root = checkout(tmp_path / "slime", tools_init=tools_init)
+    done = run_script(root, [str(plain_install)], "train.py")
+    assert done.returncode == 0, done.stderr
+    where, result = done.stdout.strip().splitlines()[-2:]
+    assert Path(where).resolve().parent == (plain_install / "engine").resolve()
+    assert result == "1.0 True log_rollout"
+    unique = run_script(root, [str(plain_install)], "-c", "import fsm_rollout_engine as f; print(f.generate.__module__)")
+    assert unique.returncode == 0 and unique.stdout.strip() == "engine.slime", unique.stderr
+
+
+def _users_engine(root: Path, *, init: bool) -> Path:
+    root.mkdir(parents=True)
+    (root / "engine").mkdir()
+    if init:
+        (root / "engine" / "__init__.py").write_text("MINE = True\n")
+    return root
+
+
+@pytest.mark.parametrize("init", [True, False], ids=["package", "folder"])
+def test_a_users_own_engine_package_stops_the_import_with_one_line_naming_it(tmp_path: Path, init: bool) -> None:
+    root = _users_engine(tmp_path / "work", init=init)
+    done = run_script(root, _as_tested(), "-c", "import fsm_rollout_engine; print(fsm_rollout_engine.generate.__module__)")
+    if not init and _as_tested():
+        # A folder without `__init__` is only a namespace portion: a regular package found later on
+        # sys.path (here through PYTHONPATH) wins. Through an editable install's finder it does not.
+        assert done.returncode == 0 and done.stdout.strip() == "engine.slime", done.stderr
+        return
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (f"fsm_rollout_engine.EngineShadowed: fsm-rollout-engine: the name 'engine' is taken by "
+                    f"{(root / 'engine').resolve()} (not this engine's {ROOT / 'engine'}); "
+                    "rename that package or run from another directory")
+
+
+def test_the_console_script_entry_point_says_so_too(tmp_path: Path) -> None:
+    root = _users_engine(tmp_path / "work", init=True)
+    code = "import sys; sys.argv = ['fsm-rollout', '--version']; import fsm_rollout_engine; fsm_rollout_engine.main()"
+    done = run_script(root, [str(root), *_as_tested()], "-c", code)
+    assert done.returncode == 1 and "the name 'engine' is taken by" in done.stderr.strip().splitlines()[-1]
+    fine = run_script(tmp_path, _as_tested(), "-c", code)
+    assert fine.returncode == 0 and fine.stdout.startswith("fsm-rollout "), fine.stderr
