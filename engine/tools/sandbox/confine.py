@@ -69,10 +69,16 @@ RW_FILES = ("/dev/null",)
 _disabled: set[str] = set()  # tests: "landlock" / "seccomp" switched off in this process
 
 
+_lib: Any = None
+
+
 def _libc() -> Any:
-    lib = ctypes.CDLL(None, use_errno=True)
-    lib.syscall.restype = ctypes.c_long
-    return lib
+    """libc through ctypes, loaded once (in the zygote: a child pays no dlopen)."""
+    global _lib
+    if _lib is None:
+        _lib = ctypes.CDLL(None, use_errno=True)
+        _lib.syscall.restype = ctypes.c_long
+    return _lib
 
 
 def landlock_abi() -> int:
@@ -130,12 +136,13 @@ def prepare(cfg: dict[str, Any], layers: dict[str, Any]) -> dict[str, Any]:
     if abi:
         fs = handled_fs(abi)
         dirs = sorted(interpreter_dirs() | {os.path.realpath(d) for d in SYSTEM_DIRS if os.path.isdir(d)})
-        rules += [(d, read & fs) for d in dirs]
+        rules += [(d, read & fs) for d in dirs]  # (files take only file rights: see below)
         files = list(SYSTEM_FILES)
         if cfg.get("mntns"):
             files += ["/etc/passwd", "/etc/group"]  # the run's stand-ins, not the host's
         rules += [(f, FS_READ_FILE) for f in files if os.path.exists(f)]
         rules += [(f, (FS_READ_FILE | FS_WRITE_FILE | FS_TRUNCATE) & fs) for f in RW_FILES if os.path.exists(f)]
+        rules = [(p, r if os.path.isdir(p) else r & FS_FILE_ONLY) for p, r in rules]
     return {
         "abi": abi,
         "fs": handled_fs(abi) if abi else 0,
@@ -154,8 +161,8 @@ def hold(prepared: dict[str, Any]) -> list[tuple[int, int, str]]:
         try:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
-            continue  # a path this host lacks: nothing to grant
-        held.append((fd, rights if os.path.isdir(path) else rights & FS_FILE_ONLY, path))
+            continue  # a path this host lacks (or the zygote's user cannot reach): nothing to grant
+        held.append((fd, rights, path))
     return held
 
 
