@@ -1,4 +1,4 @@
-"""`python -m engine run | serve | diagram | trace | flow | bench | soak | attacks`.
+"""`python -m engine run | serve | diagram | trace | flow | bench | soak | settings | attacks`.
 
 Each command's work lives in its own module, imported only when the command runs, so
 `python -m engine diagram` does not load torch. A bad argument is one line on stderr
@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from engine.arguments import names, number, whole
+from engine.config import BUDGETS, SERVER, TOOLS, Setting, SettingsError, flagged_settings
 
 DISTRIBUTION = "fsm-rollout-engine"
 
@@ -76,9 +77,50 @@ def _verbose_parent() -> argparse.ArgumentParser:
     return parent
 
 
+def flag_type(row: Setting) -> Callable[[str], Any]:
+    """argparse type of a setting's flag: its row converts and checks (a capped value is lowered later, with its warning)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = row.convert(text)
+        except SettingsError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(row.key + " ")) from None
+        if value is None or value == () or not row.fits(value):
+            raise argparse.ArgumentTypeError(f"must be {row.allowed()}, got {text!r}")
+        return value
+
+    parse.__name__ = row.allowed()
+    return parse
+
+
+def flag_help(row: Setting) -> str:
+    """A setting flag's help: its words, the key it sets [in brackets], and `run`'s default."""
+    assert row.flag is not None
+    words = row.flag.help or row.help
+    again = "; repeatable" if row.flag.repeatable else ""
+    return f"{words}{again} [{row.key}] (default: {row.default_text(for_run=True)})"
+
+
+def add_setting_flag(group: Any, row: Setting) -> None:
+    """One flag of `run`, made from its setting's row. It defaults to None: a `--config` file fills
+    it, a flag wins over the file, and the help names `run`'s default."""
+    flag = row.flag
+    assert flag is not None
+    options: dict[str, Any] = {"dest": flag.destination, "help": flag_help(row)}
+    if row.kind is bool:
+        options.update(action="store_true", default=None)
+    elif flag.repeatable:
+        options.update(action="append", metavar=flag.metavar)
+    elif row.choices:
+        options.update(choices=list(row.choices))
+    else:
+        options.update(metavar=flag.metavar, type=flag_type(row))
+    group.add_argument(flag.name, **options)
+
+
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
-    """The `run` options. Those that are also YAML keys default to None here: a `--config`
-    file fills them, a flag wins over it, and the help names the built-in default."""
+    """The `run` options: its own (input, output, the YAML, the replay), then one per flagged row of
+    `engine.config.SETTINGS`, in its group."""
     io = run.add_argument_group("input and output")
     io.add_argument("--input", metavar="FILE", help="JSONL of prompts, one {\"prompt\": ..., \"label\": ...} per line "
                     "(default: the shipped demo set)")
@@ -86,47 +128,15 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     io.add_argument("--limit", metavar="N", type=whole(1), help="only the first N prompts of the input (default: all)")
     io.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    where = run.add_argument_group("server and settings")
-    where.add_argument("--config", metavar="YAML", help="the YAML slime's --custom-config-path reads (engine_* keys and "
-                       "slime args); flags given here win over it")
-    where.add_argument("--server", metavar="URL", help="SGLang server or router URL [engine_server_url] "
-                       "(default: start the embedded CPU server)")
-    where.add_argument("--replay", metavar="FILE", help="replay script for the embedded server "
-                       "(default: the demo's, in the chosen profile's format)")
-    where.add_argument("--tokenizer", metavar="DIR", help="local tokenizer directory [hf_checkpoint] "
-                       "(default: the shipped Qwen3 one)")
-    where.add_argument("--profile", choices=["retool", "chat"], help="prompt and turn format [engine_profile] (default: retool)")
-
-    tools = run.add_argument_group("tools")
-    tools.add_argument("--tool-module", metavar="MODULE", action="append", dest="tool_modules",
-                       help="import this module so the tools it registers are offered; repeatable "
-                            "[engine_tool_modules] (default: none)")
-    tools.add_argument("--tools", metavar="A,B", type=names, help="offer only these tools [engine_tools] "
-                       "(default: every registered tool)")
-    tools.add_argument("--tool-timeout", metavar="S", type=number(0, above=True, high=86400),
-                       help="seconds a tool call may run [engine_tool_timeout] (default: 120)")
-    tools.add_argument("--max-tool-calls", metavar="N", type=whole(0), help="tool calls per sample "
-                       "[engine_max_tool_calls] (default: 16)")
-
-    budget = run.add_argument_group("budgets and sampling")
-    budget.add_argument("--concurrency", metavar="N", type=whole(1), help="samples in flight "
-                        "[sglang_server_concurrency] (default: 64)")
-    budget.add_argument("--max-context", metavar="N", type=whole(1), help="prompt + response tokens "
-                        "[rollout_max_context_len] (default: the server's context length)")
-    budget.add_argument("--max-response-len", metavar="N", type=whole(1), help="response tokens over all turns "
-                        "[engine_max_response_len] (default: unbounded)")
-    budget.add_argument("--max-new-tokens", metavar="N", type=whole(1), help="tokens per model turn "
-                        "[rollout_max_response_len] (default: 512)")
-    budget.add_argument("--max-turns", metavar="N", type=whole(1), help="model turns per sample [engine_max_turns] "
-                        "(default: 16)")
-    budget.add_argument("--temperature", metavar="T", type=number(0), help="sampling temperature "
-                        "[rollout_temperature] (default: 1.0)")
-    budget.add_argument("--top-p", metavar="P", type=number(0, above=True, high=1), help="nucleus sampling "
-                        "[rollout_top_p] (default: 1.0)")
-    budget.add_argument("--n-samples-per-prompt", metavar="N", type=whole(1), help="samples per prompt, a GRPO group "
-                        "[n_samples_per_prompt] (default: 1)")
-    budget.add_argument("--partial-rollout", action="store_true", default=None, help="aborted samples keep a "
-                        "checkpoint to resume from [partial_rollout] (default: off)")
+    groups = {SERVER: run.add_argument_group(SERVER), TOOLS: run.add_argument_group(TOOLS),
+              BUDGETS: run.add_argument_group(BUDGETS)}
+    groups[SERVER].add_argument("--config", metavar="YAML", help="the YAML slime's --custom-config-path reads (engine_* "
+                                "keys and slime args, see docs/settings.md); flags given here win over it")
+    groups[SERVER].add_argument("--replay", metavar="FILE", help="replay script for the embedded server "
+                                "(default: the demo's, in the chosen profile's format)")
+    for row in flagged_settings():
+        assert row.flag is not None
+        add_setting_flag(groups[row.flag.group], row)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -188,6 +198,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     soak.add_argument("--faults", metavar="SPEC", default="default", help="fault spec (see `serve --faults`)")
     soak.add_argument("--seed", type=int, default=0, help="seed of the fault sequence")
     soak.add_argument("--json", action="store_true", help="machine-readable output")
+
+    settings = command("settings", _lazy("engine.config:main_settings"), "print every setting as the table of docs/settings.md")
+    settings.add_argument("--out", metavar="PATH", help="write the whole page here (default: print the tables)")
+    settings.add_argument("--check", action="store_true", help="fail if the page at --out is not current")
 
     attacks = command("attacks", _lazy("engine.tools.sandbox.attacks.suite:main_attacks"), "run the sandbox attack suite and print what was contained")
     attacks.add_argument("--json", action="store_true", help="machine-readable output")

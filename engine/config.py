@@ -1,16 +1,29 @@
-"""Frozen, validated settings of the engine, and how they are read from slime's `args`.
+"""The engine's settings: one declaration per setting, and everything read from it.
 
 slime hands a generate function its argparse namespace; the keys of `--custom-config-path`
-YAML become attributes of it. `EngineConfig.from_args` reads that namespace through one
-table, `SETTINGS`: every key the engine reads, its type, its default, the range it must lie
-in and what it means. A value of the wrong type or outside its range raises `SettingsError`
-naming the key and what is allowed (the slime adapter then ends every sample with
-`engine_setup_failed` and that message). A few sizes are *capped* instead: a value past the
-cap is usable but pointless, so it is lowered with one warning (the HTTP pool is the one
-that matters: `sglang_server_concurrency=10**8` would otherwise build clients until memory
-runs out). An `engine_*` key the table does not know is warned about once, with the closest
-known key. The command line (`python -m engine run --config engine.yaml`) goes through the
-same table, so it reads a YAML exactly as a slime job would.
+YAML become attributes of it. Every key the engine (or `python -m engine run`) reads is one
+row of `SETTINGS`: its key, its kind, its default, the range it must lie in, what it means,
+and, where `run` offers it, its command-line flag. From that one table come:
+
+* `EngineConfig`'s fields: a field made by `setting_field(key)` takes its default, its
+  conversion and its check from the row (and carries the row in its attrs `metadata`);
+  a field derived from several keys (the server URL, the context, the HTTP pool, the retry
+  policy) names a small function that computes it (`derived_field`);
+* `EngineConfig.from_args`: slime's args read field by field through the rows;
+* the YAML of `--config` and the flags of `python -m engine run` (engine/cli.py,
+  engine/local/run.py), and `docs/settings.md` (`python -m engine settings`).
+
+A value of the wrong kind or outside its range raises `SettingsError` naming the key and
+what is allowed (the slime adapter then ends every sample with `engine_setup_failed` and
+that message). A few sizes are *capped* instead: a value past the cap is usable but
+pointless, so it is lowered with one warning (the HTTP pool is the one that matters:
+`sglang_server_concurrency=10**8` would otherwise build clients until memory runs out).
+An `engine_*` key of slime's args that no row declares is warned about once, with the
+closest known key (slime's own keys are not the engine's to judge); in `run --config`
+every key is the engine's, so any unknown one is.
+
+To add a setting: one `Setting(...)` row below, and one field
+`name: type = setting_field("engine_name")` in `EngineConfig`.
 """
 
 from __future__ import annotations
@@ -19,8 +32,8 @@ import difflib
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal, NoReturn
 
 import attrs
 from attrs import validators as v
@@ -54,7 +67,33 @@ class RetryPolicy:
         return rand * min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
 
 
-# -- the table of settings ------------------------------------------------------------------
+# -- one row per setting --------------------------------------------------------------------
+
+
+@attrs.frozen
+class Flag:
+    """How `python -m engine run` offers a setting on its command line.
+
+    `help` and `unset` are `run`'s own words where they differ from the row's (what the
+    option means to a person at a terminal; what `run` does when neither the flag nor the
+    YAML sets it). `repeatable`: the flag may be given once per item (`--tool-module`).
+    """
+
+    name: str
+    metavar: str = "N"
+    group: str = "budgets and sampling"
+    help: str | None = None
+    unset: str | None = None
+    repeatable: bool = False
+    dest: str | None = None
+
+    @property
+    def destination(self) -> str:
+        """The attribute of `run`'s parsed arguments."""
+        return self.dest or self.name.lstrip("-").replace("-", "_")
+
+
+Reader = Literal["engine", "run"]
 
 
 @attrs.frozen
@@ -64,7 +103,11 @@ class Setting:
     `kind` is int, float, bool, str, "names" (a list, or a comma-separated string) or
     "url". Numbers must lie in [low, high]; with `cap` a number above `high` is lowered to
     it (with a warning) instead of refused. `choices` limits a str. `None` is always
-    allowed and means the default.
+    allowed and means the default; for a setting whose default is None an empty value
+    ("" or an empty list) means None too. `unset` says in words what None means.
+    `reader`: "engine" (EngineConfig reads it, in a slime job too) or "run" (only
+    `python -m engine run` reads it: slime checks its own sampling args). `run_default`:
+    `run`'s own default where it differs (a person is waiting: fewer connections and retries).
     """
 
     key: str
@@ -76,6 +119,10 @@ class Setting:
     cap: bool = False
     choices: tuple[str, ...] | None = None
     above_low: bool = False  # low itself is not allowed (a timeout of 0)
+    unset: str | None = None
+    flag: Flag | None = None
+    run_default: Any = None
+    reader: Reader = "engine"
 
     def allowed(self) -> str:
         """What the setting accepts, in words."""
@@ -94,24 +141,62 @@ class Setting:
             return f"{what} {'>' if self.above_low else '>='} {_fmt(self.low)}"
         return what
 
-    def read(self, value: Any) -> Any:
-        """The value converted and checked; raises SettingsError saying what is allowed."""
+    def refuse(self, value: Any) -> NoReturn:
+        """Raise the one sentence that names the key, what it allows and what it got."""
+        raise SettingsError(f"{self.key} must be {self.allowed()}, got {value!r}")
+
+    def convert(self, value: Any) -> Any:
+        """`value` as the setting's kind (None and, with a None default, empty: the default); range not checked."""
         if value is None:
             return self.default
         try:
             converted = _CONVERT[self.kind](value)
         except (TypeError, ValueError):
-            raise SettingsError(f"{self.key} must be {self.allowed()}, got {value!r}") from None
-        if self.choices and converted not in self.choices:
-            raise SettingsError(f"{self.key} must be {self.allowed()}, got {value!r}")
-        if isinstance(converted, (int, float)) and not isinstance(converted, bool):
-            too_low = self.low is not None and (converted <= self.low if self.above_low else converted < self.low)
-            if too_low or (self.high is not None and converted > self.high and not self.cap):
-                raise SettingsError(f"{self.key} must be {self.allowed()}, got {value!r}")
-            if self.high is not None and converted > self.high:
-                warn_once(f"{self.key}={value!r} is more than the engine uses; capped at {_fmt(self.high)}")
-                converted = type(converted)(self.high)
+            self.refuse(value)
+        if self.default is None and (converted == "" or converted == ()):
+            return None
         return converted
+
+    def fits(self, value: Any) -> bool:
+        """Whether a converted value is in range (above a cap counts: it is usable, and lowered when read)."""
+        if value is None or value is self.default:
+            return True
+        if self.choices and value not in self.choices:
+            return False
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if self.low is not None and (value <= self.low if self.above_low else value < self.low):
+                return False
+            if self.high is not None and value > self.high and not self.cap:
+                return False
+        return True
+
+    def validate(self, instance: Any, attribute: Any, value: Any) -> None:
+        """attrs validator of the `EngineConfig` field made from this row."""
+        if not self.fits(value):
+            self.refuse(value)
+
+    def read(self, value: Any) -> Any:
+        """The value converted and checked (a capped one lowered, with one warning); raises SettingsError."""
+        converted = self.convert(value)
+        if not self.fits(converted):
+            self.refuse(value)
+        if self.cap and self.high is not None and isinstance(converted, (int, float)) and converted > self.high:
+            warn_once(f"{self.key}={value!r} is more than the engine uses; capped at {_fmt(self.high)}")
+            converted = type(converted)(self.high)
+        return converted
+
+    def default_text(self, for_run: bool = False) -> str:
+        """The default in words: the value, or what leaving it unset means."""
+        if for_run and self.flag is not None and self.flag.unset is not None:
+            return self.flag.unset
+        default = self.run_default if for_run and self.run_default is not None else self.default
+        if default is None or default == ():
+            return self.unset or "none"
+        if isinstance(default, bool):
+            return "true" if default else "false"
+        if isinstance(default, int) and default >= 1 << 20 and default & (default - 1) == 0:
+            return f"2^{default.bit_length() - 1}"
+        return _fmt(default) if isinstance(default, (int, float)) else str(default)
 
 
 def _fmt(x: float) -> str:
@@ -178,24 +263,33 @@ DAY = 86400.0
 # pool only costs memory and start-up time (a slime job's samples wait in slime's own semaphore).
 MAX_CONNECTIONS = 16384
 
+SERVER, TOOLS, BUDGETS = "server and settings", "tools", "budgets and sampling"
+
 SETTINGS: dict[str, Setting] = {s.key: s for s in (
     # engine_* keys: set in the YAML of --custom-config-path (or `run --config`)
-    Setting("engine_server_url", "url", None, "SGLang server or router URL (default: slime's router)"),
-    Setting("engine_profile", str, "retool", "prompt and turn format", choices=PROFILES),
-    Setting("engine_max_turns", int, 16, "model turns per sample", low=1, high=100_000),
-    Setting("engine_max_tool_calls", int, 16, "tool calls per sample", low=0, high=1_000_000),
+    Setting("engine_server_url", "url", None, "SGLang server or router URL", unset="slime's router",
+            flag=Flag("--server", "URL", SERVER, unset="start the embedded CPU server")),
+    Setting("engine_profile", str, "retool", "prompt and turn format", choices=PROFILES, flag=Flag("--profile", "NAME", SERVER)),
+    Setting("engine_max_turns", int, 16, "model turns per sample", low=1, high=100_000, flag=Flag("--max-turns")),
+    Setting("engine_max_tool_calls", int, 16, "tool calls per sample", low=0, high=1_000_000, flag=Flag("--max-tool-calls", group=TOOLS)),
     Setting("engine_max_calls_per_turn", int, 8, "tool calls run per turn (the rest get an error)", low=1, high=10_000),
-    Setting("engine_max_response_len", int, None, "response tokens per sample, over all turns", low=1, high=10**9),
-    Setting("engine_tool_timeout", float, 120.0, "seconds a tool call may run", low=0, high=DAY, above_low=True),
+    Setting("engine_max_response_len", int, None, "response tokens per sample, over all turns", low=1, high=10**9,
+            unset="unbounded", flag=Flag("--max-response-len")),
+    Setting("engine_tool_timeout", float, 120.0, "seconds a tool call may run", low=0, high=DAY, above_low=True,
+            flag=Flag("--tool-timeout", "S", TOOLS)),
     Setting("engine_tool_concurrency", int, 32, "tool calls running at once (per event loop)", low=1, high=4096, cap=True),
     Setting("engine_tool_output_chars", int, 8192, "characters of a tool's output kept", low=1, high=10**8),
-    Setting("engine_tools", "names", None, "the tools offered (default: every registered tool)"),
-    Setting("engine_tool_modules", "names", (), "modules imported so their tools register"),
+    Setting("engine_tools", "names", None, "the tools offered", unset="every registered tool",
+            flag=Flag("--tools", "A,B", TOOLS, help="offer only these tools")),
+    Setting("engine_tool_modules", "names", (), "modules imported so their tools register",
+            flag=Flag("--tool-module", "MODULE", TOOLS, help="import this module so the tools it registers are offered",
+                      repeatable=True, dest="tool_modules")),
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
     Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
     Setting("engine_max_reply_bytes", int, 1 << 30, "bytes one /generate reply may hold; a larger one fails the request", low=1 << 16, high=1 << 40),
-    Setting("engine_retry_attempts", int, 6, "attempts per request (1: no retry)", low=1, high=1000),
-    Setting("engine_retry_deadline", float, None, "seconds over all attempts of one request, the one in flight included (default: the request timeout)", low=0, high=7 * DAY, above_low=True),
+    Setting("engine_retry_attempts", int, 6, "attempts per request (1: no retry)", low=1, high=1000, run_default=4),
+    Setting("engine_retry_deadline", float, None, "seconds over all attempts of one request, the one in flight included", low=0, high=7 * DAY,
+            above_low=True, unset="the request timeout", run_default=60.0),
     Setting("engine_retry_base_delay", float, 0.5, "first backoff (doubles per retry)", low=0, high=3600),
     Setting("engine_retry_max_delay", float, 16.0, "longest backoff", low=0, high=3600),
     Setting("engine_http_transport", str, "auto", "the HTTP client: auto (asyncio, or httpx while respx mocks it), asyncio (the engine's own HTTP/1.1 client), httpx, aiohttp (httpx over httpx-aiohttp), aiohttp_direct (aiohttp's client)", choices=HTTP_TRANSPORTS),
@@ -212,21 +306,37 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     # slime's own arguments that the engine reads
     Setting("sglang_router_ip", str, None, "slime's router address"),
     Setting("sglang_router_port", int, None, "slime's router port", low=1, high=65535),
-    Setting("sglang_server_concurrency", int, 512, "requests in flight per engine", low=1, high=MAX_CONNECTIONS, cap=True),
+    Setting("sglang_server_concurrency", int, 512, "requests in flight per engine", low=1, high=MAX_CONNECTIONS, cap=True,
+            run_default=64, flag=Flag("--concurrency", help="samples in flight")),
     Setting("rollout_num_gpus", int, 1, "GPUs for inference", low=0, high=1_000_000),
     Setting("rollout_num_gpus_per_engine", int, 1, "GPUs per inference engine", low=1, high=1_000_000),
-    Setting("rollout_max_context_len", int, None, "prompt + response tokens", low=1, high=10**9),
+    Setting("rollout_max_context_len", int, None, "prompt + response tokens", low=1, high=10**9,
+            unset="max_tokens_per_gpu x context_parallel_size, else the server's", flag=Flag("--max-context", unset="the server's context length")),
     Setting("max_tokens_per_gpu", int, None, "the context when rollout_max_context_len is unset", low=1, high=10**9),
     Setting("context_parallel_size", int, 1, "multiplies max_tokens_per_gpu", low=1, high=1_000_000),
-    Setting("partial_rollout", bool, False, "resume aborted samples from their checkpoint"),
+    Setting("partial_rollout", bool, False, "resume aborted samples from their checkpoint",
+            flag=Flag("--partial-rollout", help="aborted samples keep a checkpoint to resume from")),
     Setting("mask_offpolicy_in_partial_rollout", bool, False, "mask tokens of older weights on resume"),
-    Setting("hf_checkpoint", str, None, "model directory; its tokenizer is used"),
+    Setting("hf_checkpoint", str, None, "model directory; its tokenizer is used", unset="the shipped Qwen3 tokenizer",
+            flag=Flag("--tokenizer", "DIR", SERVER, help="local tokenizer directory", unset="the shipped Qwen3 one")),
     Setting("use_rollout_routing_replay", bool, False, "routing replay (R3): ask for routed experts every turn"),
     Setting("num_layers", int, 0, "the model's layers (rows of routed experts per token)", low=0, high=100_000),
     Setting("moe_router_topk", int, 0, "experts per token (columns of routed experts)", low=0, high=100_000),
+    Setting("rollout_function_path", str, None, "slime's rollout function; its fully-async worker re-queues ABORTED groups",
+            unset="slime's default loop"),
+    # slime's sampling arguments: slime checks them in a training job; only `run` reads them
+    Setting("rollout_max_response_len", int, 512, "tokens per model turn", low=1, high=10**9, reader="run",
+            flag=Flag("--max-new-tokens")),
+    Setting("rollout_temperature", float, 1.0, "sampling temperature", low=0, high=1000, reader="run",
+            flag=Flag("--temperature", "T")),
+    Setting("rollout_top_p", float, 1.0, "nucleus sampling", low=0, high=1, above_low=True, reader="run",
+            flag=Flag("--top-p", "P")),
+    Setting("n_samples_per_prompt", int, 1, "samples per prompt, a GRPO group", low=1, high=100_000, reader="run",
+            flag=Flag("--n-samples-per-prompt")),
 )}
 
 ENGINE_PREFIX = "engine_"
+ENGINE_KEYS = tuple(k for k, s in SETTINGS.items() if s.reader == "engine")  # what EngineConfig reads
 
 
 def setting(args: Any, key: str) -> Any:
@@ -234,21 +344,40 @@ def setting(args: Any, key: str) -> Any:
     return SETTINGS[key].read(getattr(args, key, None))
 
 
+def flagged_settings() -> Iterator[Setting]:
+    """The rows `python -m engine run` offers as flags, in table order."""
+    return (s for s in SETTINGS.values() if s.flag is not None)
+
+
+# -- unknown keys -----------------------------------------------------------------------------
+
+
+def closest_key(key: str, known: Iterable[str]) -> str | None:
+    """The known key `key` most likely misspells, or None."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def unknown_engine_keys(keys: Iterable[str]) -> dict[str, str | None]:
-    """`engine_*` keys the table does not know, each with the closest known key (or None)."""
+    """`engine_*` keys the table does not know, each with the closest known key (or None).
+
+    For slime's namespace: slime's own keys (hundreds) are not the engine's to judge.
+    """
     known = [k for k in SETTINGS if k.startswith(ENGINE_PREFIX)]
-    out: dict[str, str | None] = {}
-    for key in keys:
-        if key.startswith(ENGINE_PREFIX) and key not in SETTINGS:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            out[key] = close[0] if close else None
-    return out
+    return {key: closest_key(key, known) for key in keys if key.startswith(ENGINE_PREFIX) and key not in SETTINGS}
+
+
+def unknown_keys(keys: Iterable[str]) -> dict[str, str | None]:
+    """Every key the table does not know, each with the closest known key: for `run --config`,
+    where every key is the engine's (nothing but `run` reads that YAML)."""
+    return {key: closest_key(key, SETTINGS) for key in keys if key not in SETTINGS}
 
 
 def unknown_key_message(key: str, closest: str | None) -> str:
-    """The warning for an `engine_*` key nothing reads."""
+    """The warning for a key nothing reads."""
     hint = f"; did you mean {closest}?" if closest else ""
-    return f"unknown engine setting {key} (ignored){hint}"
+    what = "engine setting" if key.startswith(ENGINE_PREFIX) else "setting"
+    return f"unknown {what} {key} (ignored){hint}"
 
 
 _warned: set[str] = set()
@@ -288,6 +417,76 @@ def _hashable(value: Any) -> Any:
     return (type(value), value)  # 1, 1.0 and True stay apart: they read differently
 
 
+# -- EngineConfig's fields from the rows ----------------------------------------------------------
+
+SETTING, DERIVED = "setting", "derived"  # keys of an EngineConfig field's attrs metadata
+Get = Callable[[str], Any]  # a key -> its checked value (from slime's args)
+
+
+def setting_field(key: str) -> Any:
+    """An `EngineConfig` field holding the setting `key`: default, conversion and check from its row."""
+    row = SETTINGS[key]
+    return attrs.field(default=row.default, converter=row.convert, validator=row.validate, metadata={SETTING: row})
+
+
+@attrs.frozen
+class Derivation:
+    """How a field is computed from several keys (`keys`: the rows it reads, for the docs and the checks)."""
+
+    compute: Callable[[Get], Any]
+    keys: tuple[str, ...]
+
+
+def derived_field(keys: tuple[str, ...], compute: Callable[[Get], Any], **field: Any) -> Any:
+    """An `EngineConfig` field computed from the settings `keys` by `compute(get)` (`field`: its attrs default, validator)."""
+    return attrs.field(metadata={DERIVED: Derivation(compute, keys)}, **field)
+
+
+def server_url(get: Get) -> str:
+    """engine_server_url, else slime's router (sglang_router_ip:port), else the default."""
+    ip, port = get("sglang_router_ip"), get("sglang_router_port")
+    return get("engine_server_url") or (f"http://{ip}:{port}" if ip and port else DEFAULT_SERVER_URL)
+
+
+def max_context(get: Get) -> int | None:
+    """rollout_max_context_len, else max_tokens_per_gpu x context_parallel_size, else None (the server bounds it)."""
+    limit = get("rollout_max_context_len")
+    if limit is None and get("max_tokens_per_gpu"):
+        limit = get("context_parallel_size") * get("max_tokens_per_gpu")
+    return limit  # type: ignore[no-any-return]
+
+
+def connections(get: Get) -> int:
+    """sglang_server_concurrency per engine, for every engine; capped at MAX_CONNECTIONS with a warning."""
+    engines = max(1, get("rollout_num_gpus") // get("rollout_num_gpus_per_engine"))
+    total = get("sglang_server_concurrency") * engines
+    if total > MAX_CONNECTIONS:
+        warn_once(f"sglang_server_concurrency x engines = {total} connections; the HTTP pool is capped at {MAX_CONNECTIONS}")
+        total = MAX_CONNECTIONS
+    return total  # type: ignore[no-any-return]
+
+
+def retry_policy(get: Get) -> RetryPolicy:
+    """The engine_retry_* keys; an unset deadline is the request timeout (a long generation is not cut)."""
+    base, top = get("engine_retry_base_delay"), get("engine_retry_max_delay")
+    if top < base:
+        raise SettingsError(f"engine_retry_max_delay ({top:g}) must be >= engine_retry_base_delay ({base:g})")
+    deadline = get("engine_retry_deadline")
+    return RetryPolicy(max_attempts=get("engine_retry_attempts"),
+                       deadline=get("engine_request_timeout") if deadline is None else deadline, base_delay=base, max_delay=top)
+
+
+def fully_async(get: Get) -> bool:
+    """Whether slime's fully-async rollout worker drives generate (it re-queues ABORTED groups)."""
+    path = get("rollout_function_path")
+    return path is not None and "fully_async" in path
+
+
+def is_fully_async(args: Any) -> bool:
+    """`fully_async` read from slime's args."""
+    return isinstance(getattr(args, "rollout_function_path", None), str) and fully_async(lambda key: setting(args, key))
+
+
 _FROM_ARGS_CACHE = 64
 _from_args_cache: dict[Any, EngineConfig] = {}
 
@@ -299,54 +498,60 @@ _from_args_cache: dict[Any, EngineConfig] = {}
 class EngineConfig:
     """Everything one rollout needs to know besides the sample and the sampling params.
 
-    `max_context_len` bounds prompt + response (None: only the server bounds it);
-    `max_response_len` bounds the whole response of a trajectory (None: unbounded);
-    the per-turn cap is `sampling_params["max_new_tokens"]`. The three stay separate.
+    Each field holds one setting (`setting_field`: see its row in `SETTINGS`) or is derived
+    from several (`derived_field`). `max_context_len` bounds prompt + response (None: only
+    the server bounds it); `max_response_len` bounds the whole response of a trajectory
+    (None: unbounded); the per-turn cap is `sampling_params["max_new_tokens"]`. The three stay separate.
     """
 
-    server_url: str = DEFAULT_SERVER_URL
-    profile: str = "retool"
-    max_turns: int = attrs.field(default=16, validator=_positive)
-    max_tool_calls: int = attrs.field(default=16, validator=_non_negative)
-    max_calls_per_turn: int = attrs.field(default=8, validator=_positive)
-    max_context_len: int | None = attrs.field(default=None, validator=v.optional(_positive))
-    max_response_len: int | None = attrs.field(default=None, validator=v.optional(_positive))
-    tool_timeout: float = attrs.field(default=120.0, validator=_positive)
-    tool_concurrency: int = attrs.field(default=32, validator=_positive)
-    tool_output_chars: int = attrs.field(default=8192, validator=_positive)
-    tools: tuple[str, ...] | None = None  # None: every registered tool
-    tool_modules: tuple[str, ...] = ()  # modules imported so their tools register
-    request_timeout: float = attrs.field(default=1800.0, validator=_positive)
-    connect_timeout: float = attrs.field(default=10.0, validator=_positive)
-    max_reply_bytes: int = attrs.field(default=1 << 30, validator=_positive)  # routing replay replies run to 100s of MB
-    max_connections: int = attrs.field(default=512, validator=_positive)
+    server_url: str = derived_field(("engine_server_url", "sglang_router_ip", "sglang_router_port"), server_url,
+                                    default=DEFAULT_SERVER_URL)
+    profile: str = setting_field("engine_profile")
+    max_turns: int = setting_field("engine_max_turns")
+    max_tool_calls: int = setting_field("engine_max_tool_calls")
+    max_calls_per_turn: int = setting_field("engine_max_calls_per_turn")
+    max_context_len: int | None = derived_field(("rollout_max_context_len", "max_tokens_per_gpu", "context_parallel_size"),
+                                                max_context, default=None, validator=v.optional(_positive))
+    max_response_len: int | None = setting_field("engine_max_response_len")
+    tool_timeout: float = setting_field("engine_tool_timeout")
+    tool_concurrency: int = setting_field("engine_tool_concurrency")
+    tool_output_chars: int = setting_field("engine_tool_output_chars")
+    tools: tuple[str, ...] | None = setting_field("engine_tools")  # None: every registered tool
+    tool_modules: tuple[str, ...] = setting_field("engine_tool_modules")
+    request_timeout: float = setting_field("engine_request_timeout")
+    connect_timeout: float = setting_field("engine_connect_timeout")
+    max_reply_bytes: int = setting_field("engine_max_reply_bytes")  # routing replay replies run to 100s of MB
+    max_connections: int = derived_field(("sglang_server_concurrency", "rollout_num_gpus", "rollout_num_gpus_per_engine"),
+                                         connections, default=512, validator=_positive)
     # asyncio | httpx | aiohttp (httpx-aiohttp) | aiohttp_direct | auto: asyncio unless respx is
     # mocking httpx, then httpx. See engine.sglang.client.
     http_transport: str = attrs.field(default="auto", validator=v.in_(HTTP_TRANSPORTS))
-    retry: RetryPolicy = attrs.field(factory=RetryPolicy)
-    partial_rollout: bool = False
-    mask_offpolicy: bool = False
-    tokenizer_path: str | None = None
-    gc_freeze: bool = True  # see engine.loop.runtime.freeze_long_lived_objects
-    gc_defer_full: bool = True  # see engine.loop.runtime.FullCollections
+    retry: RetryPolicy = derived_field(("engine_retry_attempts", "engine_retry_deadline", "engine_retry_base_delay",
+                                        "engine_retry_max_delay", "engine_request_timeout"), retry_policy, factory=RetryPolicy)
+    partial_rollout: bool = setting_field("partial_rollout")
+    mask_offpolicy: bool = setting_field("mask_offpolicy_in_partial_rollout")
+    tokenizer_path: str | None = setting_field("hf_checkpoint")
+    gc_freeze: bool = setting_field("engine_gc_freeze")  # see engine.loop.runtime.freeze_long_lived_objects
+    gc_defer_full: bool = setting_field("engine_gc_defer_full")  # see engine.loop.runtime.FullCollections
     # What a sample that cannot finish hands back (see engine.loop.attempts): "retry" re-runs it
     # from RESET up to `sample_attempts` times within `sample_deadline` seconds, then ends it
     # FAILED with remove_sample; "aborted" hands ABORTED back at once, for a caller that re-queues.
-    abort_status: str = attrs.field(default="retry", validator=v.in_(("retry", "aborted")))
-    sample_attempts: int = attrs.field(default=3, validator=_positive)
-    sample_deadline: float = attrs.field(default=1800.0, validator=_positive)
+    abort_status: str = setting_field("engine_abort_status")
+    sample_attempts: int = setting_field("engine_sample_attempts")
+    sample_deadline: float = setting_field("engine_sample_deadline")
     # Routing replay (R3): ask for routed experts each turn; a row is num_layers x moe_router_topk int32.
-    routing_replay: bool = False
-    num_layers: int = attrs.field(default=0, validator=_non_negative)
-    moe_router_topk: int = attrs.field(default=0, validator=_non_negative)
-    fully_async: bool = False  # slime's fully-async worker is the caller: it re-queues ABORTED groups
+    routing_replay: bool = setting_field("use_rollout_routing_replay")
+    num_layers: int = setting_field("num_layers")
+    moe_router_topk: int = setting_field("moe_router_topk")
+    # slime's fully-async worker is the caller: it re-queues ABORTED groups
+    fully_async: bool = derived_field(("rollout_function_path",), fully_async, default=False)
     # Where sandboxed tool code runs: "local" (this machine) or "ray" (a pool of workers on the
-    # Ray cluster; see engine.tools.sandbox.backend). The ray_* settings size and place that pool.
-    sandbox_backend: str = attrs.field(default="local")
-    sandbox_workers: int = attrs.field(default=4, validator=_positive)
-    sandbox_worker_cpus: float = attrs.field(default=1.0, validator=_positive)
-    sandbox_resource: str | None = None  # a custom Ray resource the workers need (CPU nodes only)
-    sandbox_queue: int = attrs.field(default=256, validator=_non_negative)
+    # Ray cluster; see engine.tools.sandbox.backend). The sandbox_* settings size and place that pool.
+    sandbox_backend: str = setting_field("engine_sandbox_backend")
+    sandbox_workers: int = setting_field("engine_sandbox_workers")
+    sandbox_worker_cpus: float = setting_field("engine_sandbox_worker_cpus")
+    sandbox_resource: str | None = setting_field("engine_sandbox_resource")  # CPU nodes only, say
+    sandbox_queue: int = setting_field("engine_sandbox_queue")
 
     @sandbox_backend.validator
     def _check_sandbox_backend(self, attribute: Any, value: str) -> None:
@@ -372,11 +577,11 @@ class EngineConfig:
     def from_args(cls, args: Any) -> EngineConfig:
         """Read slime's argparse namespace (`engine_*` keys come from `--custom-config-path` YAML).
 
-        Every key is checked against `SETTINGS`; raises SettingsError with one clear sentence.
-        slime calls this once per sample with the same `args`: the result is remembered by the
-        values it was read from, and the namespace is scanned for unknown keys once per object.
+        Every key is checked against its row of `SETTINGS`; raises SettingsError with one clear
+        sentence. slime calls this once per sample with the same `args`: the result is remembered
+        by the values it was read from, and the namespace is scanned for unknown keys once per object.
         """
-        seen = (id(args), tuple(_hashable(getattr(args, key, None)) for key in SETTINGS))
+        seen = (id(args), tuple(_hashable(getattr(args, key, None)) for key in ENGINE_KEYS))
         cached = _from_args_cache.get(seen)
         if cached is not None:
             return cached
@@ -390,71 +595,44 @@ class EngineConfig:
     def _read_args(cls, args: Any) -> EngineConfig:
         for key, closest in unknown_engine_keys(_namespace_keys(args)).items():
             warn_once(unknown_key_message(key, closest))
+        read: dict[str, Any] = {}
 
         def get(key: str) -> Any:
-            return setting(args, key)
+            if key not in read:
+                read[key] = setting(args, key)
+            return read[key]
 
-        ip, port = get("sglang_router_ip"), get("sglang_router_port")
-        max_context = get("rollout_max_context_len")
-        if max_context is None and get("max_tokens_per_gpu"):
-            max_context = get("context_parallel_size") * get("max_tokens_per_gpu")
-        base, top = get("engine_retry_base_delay"), get("engine_retry_max_delay")
-        if top < base:
-            raise SettingsError(f"engine_retry_max_delay ({top:g}) must be >= engine_retry_base_delay ({base:g})")
-        request_timeout = get("engine_request_timeout")
-        deadline = get("engine_retry_deadline")  # unset: the request timeout (a long generation is not cut)
-        retry = RetryPolicy(max_attempts=get("engine_retry_attempts"),
-                            deadline=request_timeout if deadline is None else deadline, base_delay=base, max_delay=top)
-        engines = max(1, get("rollout_num_gpus") // get("rollout_num_gpus_per_engine"))
-        connections = get("sglang_server_concurrency") * engines
-        if connections > MAX_CONNECTIONS:
-            warn_once(f"sglang_server_concurrency x engines = {connections} connections; the HTTP pool is capped at {MAX_CONNECTIONS}")
-            connections = MAX_CONNECTIONS
-        url = get("engine_server_url") or (f"http://{ip}:{port}" if ip and port else DEFAULT_SERVER_URL)
-        tools = get("engine_tools")
-        return cls(
-            server_url=url,
-            profile=get("engine_profile"),
-            max_turns=get("engine_max_turns"),
-            max_tool_calls=get("engine_max_tool_calls"),
-            max_calls_per_turn=get("engine_max_calls_per_turn"),
-            max_context_len=max_context,
-            max_response_len=get("engine_max_response_len"),
-            tool_timeout=get("engine_tool_timeout"),
-            tool_concurrency=get("engine_tool_concurrency"),
-            tool_output_chars=get("engine_tool_output_chars"),
-            tools=tools if tools else None,
-            tool_modules=get("engine_tool_modules"),
-            request_timeout=request_timeout,
-            connect_timeout=get("engine_connect_timeout"),
-            max_reply_bytes=get("engine_max_reply_bytes"),
-            max_connections=connections,
-            http_transport=get("engine_http_transport"),
-            retry=retry,
-            partial_rollout=get("partial_rollout"),
-            mask_offpolicy=get("mask_offpolicy_in_partial_rollout"),
-            tokenizer_path=get("hf_checkpoint"),
-            gc_freeze=get("engine_gc_freeze"),
-            gc_defer_full=get("engine_gc_defer_full"),
-            abort_status=get("engine_abort_status"),
-            sample_attempts=get("engine_sample_attempts"),
-            sample_deadline=get("engine_sample_deadline"),
-            routing_replay=get("use_rollout_routing_replay"),
-            num_layers=get("num_layers"),
-            moe_router_topk=get("moe_router_topk"),
-            fully_async=is_fully_async(args),
-            sandbox_backend=get("engine_sandbox_backend"),
-            sandbox_workers=get("engine_sandbox_workers"),
-            sandbox_worker_cpus=get("engine_sandbox_worker_cpus"),
-            sandbox_resource=get("engine_sandbox_resource") or None,
-            sandbox_queue=get("engine_sandbox_queue"),
-        )
+        values = {}
+        for name, source in field_sources().items():
+            values[name] = source.compute(get) if isinstance(source, Derivation) else get(source.key)
+        return cls(**values)
 
 
-def is_fully_async(args: Any) -> bool:
-    """Whether slime's fully-async rollout worker drives generate (it re-queues ABORTED groups)."""
-    path = getattr(args, "rollout_function_path", None)
-    return isinstance(path, str) and "fully_async" in path
+def field_sources() -> dict[str, Setting | Derivation]:
+    """Each `EngineConfig` field read from slime's args, and what it is read from.
+
+    A field made by `setting_field` or `derived_field` says so in its metadata. A field
+    declared by hand (`attrs.field(default=...)`) is read from the row `engine_<name>` when
+    there is one: the older style of a row, kept working until it is ported.
+    """
+    global _SOURCES
+    if _SOURCES is None:
+        sources: dict[str, Setting | Derivation] = {}
+        for f in attrs.fields(EngineConfig):
+            source = f.metadata.get(SETTING) or f.metadata.get(DERIVED) or SETTINGS.get(ENGINE_PREFIX + f.name)
+            if source is not None:
+                sources[f.name] = source
+        _SOURCES = sources
+    return _SOURCES
+
+
+_SOURCES: dict[str, Setting | Derivation] | None = None
+
+
+def readers_of(key: str) -> list[str]:
+    """The `EngineConfig` fields that read `key` (empty for a key only `run` reads)."""
+    return [name for name, source in field_sources().items()
+            if (source.key == key if isinstance(source, Setting) else key in source.keys)]
 
 
 # -- the YAML of --custom-config-path --------------------------------------------------------
@@ -481,3 +659,88 @@ def load_yaml_settings(path: str) -> dict[str, Any]:
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise SettingsError(f"{path} must hold a mapping of setting names to values, as slime's --custom-config-path")
     return data
+
+
+# -- docs/settings.md ------------------------------------------------------------------------
+
+SETTINGS_PAGE = "docs/settings.md"
+_SECTIONS = (
+    ("Engine settings", "Set in the YAML of slime's `--custom-config-path` (or `python -m engine run --config`).",
+     lambda s: s.key.startswith(ENGINE_PREFIX)),
+    ("slime's arguments the engine reads", "slime's own flags (`--sglang-router-ip` is `sglang_router_ip`); the engine reads them as slime set them.",
+     lambda s: not s.key.startswith(ENGINE_PREFIX) and s.reader == "engine"),
+    ("slime's arguments only `run` reads", "slime checks these itself in a training job; `python -m engine run` reads them from its flags or `--config`.",
+     lambda s: s.reader == "run"),
+)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def settings_table(rows: Iterable[Setting]) -> str:
+    """The Markdown table of `rows`: key, what it accepts, default (and `run`'s), flag, meaning."""
+    lines = ["| key | accepts | default | `run` flag | meaning |", "|---|---|---|---|---|"]
+    for s in rows:
+        default = s.default_text()
+        if s.flag is not None or s.run_default is not None:
+            ran = s.default_text(for_run=True)
+            if ran != default:
+                default += f" (`run`: {ran})"
+        flag = f"`{s.flag.name}`" if s.flag is not None else ""
+        cap = f"; above {_fmt(s.high)} lowered to it" if s.cap and s.high is not None else ""
+        lines.append(f"| `{s.key}` | {_cell(s.allowed() + cap)} | {_cell(default)} | {flag} | {_cell(s.help)} |")
+    return "\n".join(lines)
+
+
+def settings_page() -> str:
+    """docs/settings.md, every word of it made from `SETTINGS` (`python -m engine settings --out docs/settings.md`)."""
+    parts = [
+        "# Settings",
+        "",
+        "<!-- Generated from engine/config.py's SETTINGS by `python -m engine settings --out docs/settings.md`; "
+        "a test keeps it current. Do not edit by hand. -->",
+        "",
+        "Every key the engine reads, as slime hands it over (the keys of `--custom-config-path` become "
+        "attributes of slime's `args`). A value of the wrong kind or outside its range ends every sample with "
+        "`engine_setup_failed` and one sentence naming the key and what it accepts; `python -m engine run` "
+        "says the same sentence and exits 2. An `engine_*` key no row declares is warned about once, with the "
+        "closest known key; in `run --config` every unknown key is.",
+        "",
+        "`python -m engine run` reads the same keys from `--config` (a YAML as slime's) and from its flags; "
+        "a flag wins over the file. Where `run`'s default differs from a training job's, both are shown.",
+    ]
+    for title, words, chosen in _SECTIONS:
+        parts += ["", f"## {title}", "", words, "", settings_table(s for s in SETTINGS.values() if chosen(s))]
+    return "\n".join(parts) + "\n"
+
+
+def main_settings(ns: Any) -> int:
+    """`python -m engine settings`: print the tables, or write (`--out`) or check (`--check`) the page."""
+    import sys
+
+    page = settings_page()
+    if not ns.out:
+        if ns.check:
+            print("error: --check needs --out PATH (the page to check)", file=sys.stderr)
+            return 2
+        print(page, end="")
+        return 0
+    if ns.check:
+        try:
+            with open(ns.out, encoding="utf-8") as f:
+                current = f.read() == page
+        except OSError:
+            current = False
+        if not current:
+            print(f"error: {ns.out} is not current: run python -m engine settings --out {ns.out}", file=sys.stderr)
+            return 1
+        return 0
+    try:
+        with open(ns.out, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as exc:
+        print(f"error: --out {ns.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {ns.out}")
+    return 0

@@ -31,40 +31,20 @@ from typing import Any
 import attrs
 import httpx
 
-from engine.config import EngineConfig, Setting, SettingsError, load_yaml_settings
+from engine.config import (SETTINGS, EngineConfig, SettingsError, flagged_settings, load_yaml_settings, unknown_key_message,
+                           unknown_keys, warn_once)
 from engine.local.sample import Sample
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
-# Each flag of `run` and the key of slime's args (and of the YAML) it sets.
-FLAG_KEYS = {
-    "server": "engine_server_url",
-    "tokenizer": "hf_checkpoint",
-    "profile": "engine_profile",
-    "concurrency": "sglang_server_concurrency",
-    "max_context": "rollout_max_context_len",
-    "max_response_len": "engine_max_response_len",
-    "max_new_tokens": "rollout_max_response_len",
-    "max_turns": "engine_max_turns",
-    "max_tool_calls": "engine_max_tool_calls",
-    "tool_timeout": "engine_tool_timeout",
-    "tool_modules": "engine_tool_modules",
-    "tools": "engine_tools",
-    "temperature": "rollout_temperature",
-    "top_p": "rollout_top_p",
-    "n_samples_per_prompt": "n_samples_per_prompt",
-    "partial_rollout": "partial_rollout",
-}
-# A local run's own defaults where they differ from a training job's: fewer connections,
-# fewer and shorter retries (a person is waiting).
-RUN_DEFAULTS = {"sglang_server_concurrency": 64, "engine_retry_attempts": 4, "engine_retry_deadline": 60.0}
+# All three made from the one declaration, engine.config.SETTINGS:
+# each flag of `run` (its parsed name) and the key of slime's args (and of the YAML) it sets;
+FLAG_KEYS = {s.flag.destination: s.key for s in flagged_settings() if s.flag is not None}
+FLAG_NAMES = {s.key: s.flag.name for s in flagged_settings() if s.flag is not None}
+# a local run's own defaults where they differ from a training job's (fewer connections and retries);
+RUN_DEFAULTS = {s.key: s.run_default for s in SETTINGS.values() if s.run_default is not None}
 # slime's sampling arguments a run reads (slime itself checks them in a training job).
-SAMPLING_SETTINGS = {s.key: s for s in (
-    Setting("rollout_temperature", float, 1.0, "sampling temperature", low=0, high=1000),
-    Setting("rollout_top_p", float, 1.0, "nucleus sampling", low=0, high=1, above_low=True),
-    Setting("rollout_max_response_len", int, 512, "tokens per model turn", low=1, high=10**9),
-    Setting("n_samples_per_prompt", int, 1, "samples per prompt", low=1, high=100_000),
-)}
+SAMPLING_SETTINGS = {k: s for k, s in SETTINGS.items() if s.reader == "run"}
 
 
 class UsageError(Exception):
@@ -148,8 +128,12 @@ def settings_args(ns: argparse.Namespace) -> argparse.Namespace:
             data = load_yaml_settings(ns.config)
         except SettingsError as exc:
             raise UsageError(f"--config: {exc}") from None
+        unknown = unknown_keys(data)  # every key of this YAML is the engine's: nothing else reads it
+        for key, closest in unknown.items():
+            warn_once(unknown_key_message(key, closest))
         for key, value in data.items():  # as slime does with --custom-config-path
-            setattr(args, key, value)
+            if key not in unknown:
+                setattr(args, key, value)
     for dest, key in FLAG_KEYS.items():
         value = getattr(ns, dest, None)
         if value is not None:
@@ -161,7 +145,7 @@ def _origin(ns: argparse.Namespace, key: str) -> str:
     """Where a setting came from, for an error message: its flag, or the YAML key."""
     for dest, k in FLAG_KEYS.items():
         if k == key and getattr(ns, dest, None) is not None:
-            return "--tool-module" if dest == "tool_modules" else "--" + dest.replace("_", "-")
+            return FLAG_NAMES[key]
     return f"{key} in {ns.config}" if getattr(ns, "config", None) else key
 
 
@@ -299,9 +283,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
 
 
 def _all_keys() -> set[str]:
-    from engine.config import SETTINGS
-
-    return set(SETTINGS) | set(SAMPLING_SETTINGS)
+    return set(SETTINGS)
 
 
 # -- the server ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def tools_pending(r: Rollout) -> bool:
 # -- BUDGET_CHECK ---------------------------------------------------------------------
 def abort_requested(r: Rollout) -> bool:
     """slime (or the caller) is aborting the rollout step: start no new generation."""
-    return r.inputs.abort_check()
+    return bool(r.inputs.abort_check())  # transitions compares a condition with True: a truthy object would not pass
 
 
 def prompt_over_budget(r: Rollout) -> bool:

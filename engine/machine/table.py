@@ -215,98 +215,108 @@ def _after_edge(edge: Edge) -> Callable[[Rollout], None]:
     return after
 
 
-def edge_event(edge: Edge) -> str:
-    """The `transitions` event of one row: `trigger[guard]`, or the bare trigger for an unguarded row."""
-    return f"{edge.trigger}[{edge.guard_name}]" if edge.guard is not None else edge.trigger
+class _OrderedEvent(Event):
+    """`transitions`' event, evaluated the short way over transitions' own rows.
 
-
-class _RowEvent(Event):
-    """A `transitions` event that takes its row the short way.
-
-    The table's rows need less than transitions' general path gives every event: `fire` has
-    already picked the row by its guard (no conditions), states have no enter/exit callbacks,
-    and nothing is queued. So a trigger runs the row's actions, sets the state and runs the
-    bookkeeping, without an `EventData`, six empty callback lists and debug logging per
-    edge (2/3 of an edge's cost measured through the stock path). It is installed through
-    `transitions`' own extension point (`Machine.event_cls`), and the table, its validation and
-    the diagrams remain `transitions`'.
+    What it does is what `transitions.core.Event` does with this machine's configuration:
+    the rows of the model's state are tried in order; the first whose conditions all hold
+    runs its `before` callbacks, sets the state and runs its `after` callbacks; no row
+    taken: False; no row from the state: MachineError. What it leaves out is what the table
+    never uses (an `EventData` per trigger, prepare and machine-level callbacks, enter/exit
+    callbacks, the queue, debug logging): `_TableMachine` refuses a configuration that uses
+    any of them, so the two can never disagree. `RolloutMachine(spec, stock=True)` builds the
+    same definition on the stock `Machine`; the tests walk both and compare every edge, and
+    the bench measures both (docs/machine.md says why this one runs).
     """
 
-    def trigger(self, model: Rollout, *args: object, **kwargs: object) -> bool:
+    def trigger(self, model: Any, *args: Any, **kwargs: Any) -> bool:
         rows = self.transitions.get(model.state)
         if not rows:
-            raise MachineError(f"{self.name} cannot be taken from state {model.state}")
-        row = rows[0]  # one row per (event, source): `edge_event` names each row apart
-        for action in row.before:
-            action(model)
-        model.state = row.dest
-        for after in row.after:
-            after(model)
-        return True
+            raise MachineError(f"Can't trigger event {self.name} from state {model.state}!")
+        for row in rows:
+            for condition in row.conditions:  # every row of the table has at most one
+                if condition.func(*args, **kwargs) != condition.target:
+                    break
+            else:
+                for before in row.before:
+                    before(*args, **kwargs)
+                model.state = row.dest
+                for after in row.after:
+                    after(*args, **kwargs)
+                return True
+        return False
 
 
 class _TableMachine(Machine):
-    """`transitions.Machine` whose events take their row directly (see `_RowEvent`)."""
+    """`transitions.Machine` whose events are `_OrderedEvent`s; refuses what they would skip."""
 
-    event_cls = _RowEvent
+    event_cls = _OrderedEvent
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        # The short path honours only what this table uses; refuse anything it would skip.
         skipped = [name for name in ("prepare_event", "before_state_change", "after_state_change", "finalize_event",
                                      "on_exception", "on_final") if getattr(self, name)]
-        if self.has_queue or self.model_attribute != "state" or skipped:
-            raise ValueError(f"the rollout machine's short path cannot honour: queued / model_attribute / {skipped}")
+        if self.has_queue or self.model_attribute != "state" or self.send_event or skipped:
+            raise ValueError(f"the rollout machine's short path cannot honour: queued / model_attribute / send_event / {skipped}")
         for state in self.states.values():
             if state.on_enter or state.on_exit or state.final:
                 raise ValueError(f"the rollout machine's short path skips enter/exit callbacks ({state.name})")
         for event in self.events.values():
             for source, rows in event.transitions.items():
-                if len(rows) != 1 or rows[0].conditions or rows[0].prepare or rows[0].dest is None:
-                    raise ValueError(f"{event.name} from {source}: the short path takes one unconditional row with a dest")
+                for row in rows:
+                    named = [f for f in (*row.before, *row.after, *(c.func for c in row.conditions)) if not callable(f)]
+                    if row.prepare or row.dest is None or named:
+                        raise ValueError(f"{event.name} from {source}: the short path takes rows with a dest, "
+                                         "no prepare callbacks, and functions (not names) as callbacks")
+
+
+def machine_config(spec: MachineSpec) -> dict[str, Any]:
+    """The `transitions` configuration of a spec: one transition per row, in table order.
+
+    A row's guard is its condition (`otherwise` has none: the rows above it were tried
+    first), its actions its `before` callbacks, and the bookkeeping its `after` callback.
+    Callbacks get the rollout as their one argument (`send_event=False`: the trigger's
+    arguments are passed on), so no model is ever attached with `add_model`.
+    """
+    transitions = [
+        {"trigger": e.trigger, "source": e.source, "dest": e.dest,
+         "conditions": [] if e.guard is None or e.guard is otherwise else [e.guard],
+         "before": list(e.actions), "after": [_after_edge(e)]}
+        for e in spec.edges
+    ]
+    return {"model": None, "states": list(spec.states), "transitions": transitions, "initial": str(State.RESET),
+            "auto_transitions": False, "send_event": False}
 
 
 class RolloutMachine:
     """The runtime machine of a `MachineSpec`. Thread-safe to share: it holds no sample state.
 
-    Each row of the table is one `transitions` event (`reply[calls_tool]`), which owns the
-    state change (the short way, `_RowEvent`): it checks the source state, runs the row's actions before it and the
-    bookkeeping after it. `fire(r, trigger)` reads the table as it is written, trying the
-    rows of (state, trigger) in order and taking the first whose guard holds. Letting
-    `transitions` try the rows itself costs a full transition attempt (callbacks, logging)
-    per row that fails: 4x the cost of the transition taken, on the hottest path there is.
+    One `transitions` machine holds the whole table: an event per trigger, its transitions
+    the table's rows in order, each with its guard as condition, its actions as `before`
+    and the edge's bookkeeping (trace, reason, cheap invariant check) as `after`.
+    `fire(r, trigger)` triggers the event on the rollout through `machine.events`, the
+    pattern transitions' maintainers give for many models: no `add_model`, nothing per sample.
+    The events are `_OrderedEvent`s (the same rows, evaluated without transitions' generic
+    per-trigger bookkeeping); `stock=True` runs transitions' own `Event` instead.
     """
 
-    def __init__(self, spec: MachineSpec) -> None:
+    def __init__(self, spec: MachineSpec, *, stock: bool = False) -> None:
         self.spec = spec
-        # Actions and the after-edge bookkeeping are called with the rollout itself: no wrapper per call.
-        transitions = [
-            {"trigger": edge_event(e), "source": e.source, "dest": e.dest, "before": list(e.actions), "after": [_after_edge(e)]}
-            for e in spec.edges
-        ]
-        self._machine = _TableMachine(
-            model=None,
-            states=list(spec.states),
-            transitions=transitions,
-            initial=str(State.RESET),
-            auto_transitions=False,
-            send_event=False,
-        )
-        self._rows: dict[tuple[str, str], list[tuple[Guard | None, Event]]] = {}
-        for e in spec.edges:
-            guard = None if e.guard is otherwise else e.guard  # `otherwise`: the rows above it were tried first
-            self._rows.setdefault((e.source, e.trigger), []).append((guard, self._machine.events[edge_event(e)]))
+        self.stock = stock
+        self._machine = (Machine if stock else _TableMachine)(**machine_config(spec))
+        self._events = self._machine.events
 
     def can(self, r: Rollout, trigger: str) -> bool:
         """Whether `trigger` has any edge from `r`'s state (guards aside)."""
-        return (r.state, trigger) in self._rows
+        event = self._events.get(trigger)
+        return event is not None and r.state in event.transitions
 
     def fire(self, r: Rollout, trigger: str) -> bool:
         """Take the first edge of `trigger` from `r.state` whose guard holds; False if none."""
-        for guard, event in self._rows.get((r.state, trigger), ()):
-            if guard is None or guard(r):
-                return event.trigger(r)
-        return False
+        event = self._events.get(trigger)
+        if event is None or r.state not in event.transitions:
+            return False
+        return event.trigger(r, r)  # the model, then the one argument every guard and callback gets
 
 
 _lock = threading.Lock()

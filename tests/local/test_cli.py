@@ -62,12 +62,12 @@ def _cases(d: Path) -> dict[str, tuple[list[str], str]]:
     p = str(d / "prompts.jsonl")
     out = ["--output", str(d / "o.jsonl")]
     return {
-        "max_context_negative": (["--max-context", "-5", *out], "argument --max-context: must be a whole number >= 1"),
-        "max_turns_zero": (["--max-turns", "0", *out], "argument --max-turns: must be a whole number >= 1"),
+        "max_context_negative": (["--max-context", "-5", *out], "argument --max-context: must be a whole number from 1 to 1000000000"),
+        "max_turns_zero": (["--max-turns", "0", *out], "argument --max-turns: must be a whole number from 1 to 100000"),
         "concurrency_negative": (["--concurrency", "-3", *out], "argument --concurrency: must be a whole number >= 1"),
         "limit_zero": (["--limit", "0", *out], "argument --limit: must be a whole number >= 1"),
         "limit_negative": (["--limit", "-1", *out], "argument --limit: must be a whole number >= 1"),
-        "temperature_negative": (["--temperature", "-1", *out], "argument --temperature: must be a number >= 0"),
+        "temperature_negative": (["--temperature", "-1", *out], "argument --temperature: must be a number from 0 to 1000"),
         "top_p_zero": (["--top-p", "0", *out], "argument --top-p: must be a number > 0 and <= 1"),
         "top_p_nan": (["--top-p", "nan", *out], "argument --top-p: must be a number > 0 and <= 1"),
         "unknown_option": (["--bogus", *out], "unrecognized arguments: --bogus"),

@@ -17,6 +17,7 @@ from engine import tools
 from engine.config import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
 from engine.loop.runtime import Runtime
+from engine.machine import guards
 from engine.machine.rollout import Rollout
 from engine.machine.states import TERMINALS
 from engine.machine.table import MachineSpec, RolloutMachine, get_machine
@@ -150,10 +151,12 @@ def test_sample_can_restrict_its_tools(fake_interpreter):
 @pytest.mark.parametrize("extra", [
     {"queued": True},
     {"after_state_change": [lambda *a: None]},
-    {"transitions": [{"trigger": "t", "source": "A", "dest": "B", "conditions": [lambda *a: True]}]},
-    {"transitions": [{"trigger": "t", "source": "A", "dest": "B"}, {"trigger": "t", "source": "A", "dest": "A"}]},
+    {"send_event": True},
+    {"transitions": [{"trigger": "t", "source": "A", "dest": "B", "prepare": [lambda *a: None]}]},
+    {"transitions": [{"trigger": "t", "source": "A", "dest": "B", "conditions": ["is_ready"]}]},
+    {"transitions": [{"trigger": "t", "source": "A", "dest": None}]},
     {"states": [{"name": "A", "on_exit": [lambda *a: None]}, "B"]},
-], ids=["queued", "machine_callback", "condition", "two_rows", "state_callback"])
+], ids=["queued", "machine_callback", "send_event", "prepare", "named_condition", "internal", "state_callback"])
 def test_the_short_path_refuses_what_it_would_skip(extra):
     from engine.machine.table import _TableMachine
 
@@ -161,6 +164,25 @@ def test_the_short_path_refuses_what_it_would_skip(extra):
               "transitions": [{"trigger": "t", "source": "A", "dest": "B"}], **extra}
     with pytest.raises(ValueError, match="short path"):
         _TableMachine(**config)
+
+
+def test_the_short_path_takes_ordered_rows_with_conditions_as_transitions_does():
+    """Two rows of one (source, trigger): the first whose conditions hold is taken, both ways alike."""
+    from transitions import Machine
+
+    from engine.machine.table import _TableMachine
+
+    for machine_cls in (Machine, _TableMachine):
+        seen: list[str] = []
+        config = {"model": None, "states": ["A", "B", "C"], "initial": "A", "auto_transitions": False, "transitions": [
+            {"trigger": "t", "source": "A", "dest": "B", "conditions": [lambda m: m.go_b], "before": [lambda m: seen.append("b")]},
+            {"trigger": "t", "source": "A", "dest": "C", "unless": [lambda m: m.stuck], "after": [lambda m: seen.append("c")]},
+        ]}
+        event = machine_cls(**config).events["t"]
+        for go_b, stuck, dest in ((True, False, "B"), (False, False, "C"), (False, True, "A")):
+            model = SimpleNamespace(state="A", go_b=go_b, stuck=stuck)
+            assert event.trigger(model, model) is (dest != "A") and model.state == dest, machine_cls
+        assert seen == ["b", "c"], machine_cls
 
 
 @pytest.mark.parametrize("ending", ["answered", "server_aborted"])
@@ -227,14 +249,53 @@ def resumable_sample() -> Any:
 
 
 def test_a_row_is_taken_only_from_its_own_source_state():
-    """The short-path event (`_RowEvent`) still refuses a row from another state, and changes nothing."""
+    """The event refuses to move a rollout from a state that has no row of it, and changes nothing."""
     machine = get_machine()
     r = SimpleNamespace(state="COMPLETED")
-    assert machine.fire(r, "reply") is False  # no row of (COMPLETED, reply)
-    event = next(name for name in machine._machine.events if name.startswith("reply["))
-    with pytest.raises(MachineError, match="cannot be taken from state COMPLETED"):
-        machine._machine.events[event].trigger(r)
+    assert machine.fire(r, "reply") is False and not machine.can(r, "reply")  # no row of (COMPLETED, reply)
+    for events in (machine._machine.events, RolloutMachine(machine.spec, stock=True)._machine.events):
+        with pytest.raises(MachineError, match="Can't trigger event reply from state COMPLETED"):
+            events["reply"].trigger(r, r)
     assert r.state == "COMPLETED"
+
+
+def test_one_transitions_machine_holds_the_table_in_order():
+    """Each row is a transition of its trigger's event, in table order, its guard the condition."""
+    machine = get_machine()
+    for edge in machine.spec.edges:
+        rows = machine._machine.events[edge.trigger].transitions[edge.source]
+        same = [t for t in rows if t.dest == edge.dest and [c.func for c in t.conditions] == ([edge.guard] if edge.guard not in (None, guards.otherwise) else [])]
+        assert same and list(same[0].before) == list(edge.actions), edge
+    for (source, trigger), edges in _groups(machine.spec).items():
+        rows = machine._machine.events[trigger].transitions[source]
+        assert [t.dest for t in rows] == [e.dest for e in edges]
+
+
+def _groups(spec: MachineSpec) -> dict[tuple[str, str], list[Any]]:
+    out: dict[tuple[str, str], list[Any]] = {}
+    for e in spec.edges:
+        out.setdefault((e.source, e.trigger), []).append(e)
+    return out
+
+
+@pytest.mark.parametrize("script_name", ["tool_then_answer", "trim", "length", "invalid_then_answer", "resume"])
+def test_stock_transitions_take_the_same_edges_as_the_short_path(script_name, fake_interpreter):
+    """The same rollouts through transitions' own Event and through the engine's: the same path, state and data."""
+    scripts: dict[str, tuple[list, dict[str, Any]]] = {
+        "tool_then_answer": ([turn(CODE), turn(ANSWER)], {}),
+        "trim": ([turn("many words " * 20)], {"max_context_len": prompt_len() + 5}),
+        "length": ([turn("1 2", finish="length")], {}),
+        "invalid_then_answer": ([turn("I am not sure."), turn(ANSWER)], {}),
+        "resume": ([turn(ANSWER)], {"partial_rollout": True}),
+    }
+    script, kw = scripts[script_name]
+    ran = []
+    for stock in (False, True):
+        if script_name == "resume":
+            kw = {**kw, "sample": resumable_sample()}
+        r, _ = walk(list(script), machine=RolloutMachine(get_machine().spec, stock=stock), **kw)
+        ran.append((path(r), r.record.guards, r.state, r.record.reason, r.traj.response_ids.tolist()))
+    assert ran[0] == ran[1]
 
 
 def script_through(state: str) -> tuple[list, dict[str, Any]]:

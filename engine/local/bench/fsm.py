@@ -30,7 +30,7 @@ from engine.machine.trajectory import InvariantViolation
 from engine.sglang.wire import Reply
 
 CYCLE_TRANSITIONS = 3
-_CFG = EngineConfig(max_turns=10**9, max_tool_calls=10**9)
+_CFG = EngineConfig(max_turns=100_000, max_tool_calls=1_000_000)  # the most each allows
 _PARAMS = {"temperature": 1.0, "max_new_tokens": 1024}
 _REPLY = Reply(list(range(1000, 1032)), [-0.5] * 32, "stop", "</code>")
 _TURN = Turn("tool", calls=(ToolCall("code_interpreter", {"code": "print(1)"}),))

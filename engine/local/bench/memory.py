@@ -207,7 +207,7 @@ def list_bytes(ids: list[int], logprobs: list[float], mask: list[int]) -> int:
 def memory_figure(sizes: Sizes) -> Figure:
     """Traced bytes per sample plus what its request holds in flight, against the same per-token
     data as Python lists."""
-    cfg = EngineConfig(max_turns=10**6, max_tool_calls=10**6)
+    cfg = EngineConfig(max_turns=100_000, max_tool_calls=1_000_000)  # the most each allows
     tokens, n = sizes.memory_tokens, sizes.memory_samples
     client = SGLangClient("http://127.0.0.1:1", None, RetryPolicy())  # type: ignore[arg-type]  # bodies only
     build_sample(cfg, 2 * TURN_TOKENS, client)  # what a first body imports (numpy) is not a sample's
