@@ -54,8 +54,8 @@ class Runtime:
         (`engine_gc_defer_full`), and it waits for a start slot: at most `START_GATE` samples
         begin their set-up per event-loop turn. Thousands of samples handed over at once
         (slime's `gather`) would otherwise each read their input and build their rollout in one
-        event-loop turn (4,096 x ~20 us of stall), and the tasks waiting to start would be
-        walked by a full collection (~140 ms at 4,096).
+        event-loop turn, one stall as long as all their set-ups together, and the tasks waiting
+        to start would be walked by a full collection (the bench's stall figure measures both).
         """
         return InFlight(self.start_gate, self.cfg.gc_defer_full)
 
@@ -205,13 +205,13 @@ class FullCollections:
     """Automatic full (gen-2) collections deferred while samples are in flight, resumed when they drain.
 
     A full collection walks every tracked object; with thousands of samples in flight it
-    stalls the event loop for hundreds of ms, more than anything else the engine does
-    (measured: 419 ms at 4,096 in flight, 70 ms with automatic collection off). Young
+    stalls the event loop longer than anything else the engine does (the bench's stall
+    figure, with and without this, shows by how much). Young
     generations still run, so short-lived cycles are still freed; what survives them waits
     for the drain. There one full collection runs if the collector's own count says one is due
     (then, while nothing is in flight, rather than in the next burst of starts), and none
-    otherwise: a forced one cost every drain ~25-60 ms with torch loaded, even after a single
-    short sample. The collector is the process's, so this is one counter per process.
+    otherwise: a forced one made every drain pay a full walk of the heap (torch's objects
+    included), even after a single short sample. The collector is the process's, so this is one counter per process.
     `drains` keeps when the last drains began and what their collection took (the bench tells
     a stall while samples are in flight from the drain's collection with it).
     """

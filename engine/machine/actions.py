@@ -59,7 +59,7 @@ def append_model_turn(r: Rollout) -> None:
                              reply.routed_experts, r.traj.routed_rows if start is None else start)
     r.partial_turn_tokens = 0
     _log_turn(r)
-    # The trajectory holds the turn now. The reply's boxed ids and logprobs (~64 bytes a token)
+    # The trajectory holds the turn now. The reply's boxed ids and logprobs (a Python object each)
     # would otherwise stay until the next turn; only its verdict (finish, problem) is read again.
     r.turn.reply = reply.without_tokens()
 

@@ -6,12 +6,23 @@ row is `source --trigger [guard]--> dest` with the actions done on the way. Rows
 row of a group is `otherwise` (drawn `[else]`), so a stop added above needs no negation
 below. Registered tools add a state each (`TOOL_<NAME>`).
 
-The runtime machine (`transitions`, sync, `auto_transitions=False`) and the diagrams are
-both built from these tables. There is one machine per process (rebuilt only when the
-tool registry changes) and no per-sample `add_model`: samples are triggered through
-`machine.events[name].trigger(rollout)`, which costs microseconds, not a machine each.
-After every transition the edge is appended to the sample's trace and the cheap
-invariants are checked; a violation is recorded for the driver to act on.
+The runtime machine and the diagrams are both built from these tables. The runtime
+machine is one `transitions.Machine` (sync, `auto_transitions=False`) holding the whole
+table as transitions intends it: an event per trigger, its transitions the table's rows in
+order, each row's guard its condition, its actions the `before` callbacks and the edge's
+bookkeeping the `after` callback. There is one machine per process (rebuilt only when the
+tool registry changes) and no per-sample `add_model`: a sample is triggered through
+`machine.events[trigger].trigger(rollout, rollout)`, which costs nothing per sample.
+
+One dispatcher: the machine's events are `_OrderedEvent`s, which evaluate transitions' own
+rows (first row whose conditions hold: before, state, after) without the generic path's
+per-trigger bookkeeping, which costs several times a whole edge on the hottest path there is
+(the bench's figure 2 measures both on the same definition; docs/machine.md). `_TableMachine`
+refuses any configuration that the short path would not honour, and
+`RolloutMachine(spec, stock=True)` runs the same definition on transitions' stock `Event`,
+which the tests walk side by side with the engine's. There is no second table of rows.
+After every transition the edge is appended to the sample's trace and the cheap invariants
+are checked; a violation is recorded for the driver to act on.
 """
 
 from __future__ import annotations

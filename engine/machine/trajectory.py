@@ -5,10 +5,10 @@ optional top-p replay arrays and the optional routed experts (routing replay, R3
 (`reset`, `append_model_turn`, `append_observation`, `trim`, `mask_tokens_before`), each
 of which moves all arrays together, so no other code can make them disagree.
 
-Arrays are `array.array` rather than lists: a 32k-token sample costs ~8 bytes per
-token instead of ~70 for lists of boxed ints and floats, which matters with tens of
-thousands of samples in flight. The loss mask is held as its runs of ones (`LossMask`):
-a few dozen runs, one per model turn, instead of a byte a token. They become lists only
+Arrays are `array.array` rather than lists: a token costs its machine-sized values, not
+boxed ints and floats held by lists (the bench's memory figure compares the two), which
+matters with tens of thousands of samples in flight. The loss mask is held as its runs of
+ones (`LossMask`): a few dozen runs, one per model turn, instead of a byte a token. They become lists only
 when handed to slime.
 
 Logprobs are held as float32 while every value the server sent is one exactly (SGLang's

@@ -40,7 +40,7 @@ class Codec:
 
     Goes straight to the Rust tokenizer of a fast tokenizer when that gives the same
     result as the transformers wrapper (checked on a probe), which saves the wrapper's
-    per-call overhead (~10 us an encode, ~20 us a decode) on every turn.
+    per-call overhead on every encode and decode of every turn.
     """
 
     PROBE = "Output:\n391 héllo 😀 世界\n<|im_end|>\n<|im_start|>assistant\n  x"

@@ -12,7 +12,7 @@ from engine.local.bench.fsm import _rollout, edge_index, fsm_cycle, fsm_figures,
 from engine.local.bench.memory import PROMPT_TOKENS, body_figure, memory_figure
 from engine.local.bench.rollout import BARE_AIOHTTP, BARE_HTTPX, ENGINE, measure_sides, side_names
 from engine.local.bench.server import CannedServer, scenario
-from engine.machine.table import get_machine
+from engine.machine.table import RolloutMachine, get_machine
 from engine.profiles.tokenizer import load_tokenizer
 
 TINY = attrs.evolve(Sizes.small(), samples=6, turns=3, concurrency=4, repeats=1, fsm_cycles=20, fsm_setups=50,
@@ -29,7 +29,12 @@ def test_bench_smoke() -> None:
     plain_cycle(edge_index(machine), plain_r, 2)
     assert fsm_r.record.trace == plain_r.record.trace and len(fsm_r.record.trace) == 6
     assert fsm_r.traj.response_ids == plain_r.traj.response_ids
-    assert [f.key for f in fsm_figures(TINY)] == ["fsm_setup", "fsm_transition"]
+    stock_r = _rollout()
+    fsm_cycle(RolloutMachine(machine.spec, stock=True), stock_r, 2)
+    assert stock_r.record.trace == fsm_r.record.trace and stock_r.record.guards == fsm_r.record.guards
+    figures = fsm_figures(TINY)
+    assert [f.key for f in figures] == ["fsm_setup", "fsm_transition", "fsm_transition_stock"]
+    assert figures[2].value > 0 and figures[2].floor == figures[1].value and figures[2].passed is None
 
     # Figure 5: one row, bytes per sample measured (its request waiting on a real socket among them),
     # the list-size floor computed.

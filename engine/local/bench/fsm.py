@@ -11,6 +11,9 @@ BUDGET_CHECK, each edge with its guards (tried in table order) and actions, agai
 plain Python function walking the same table: the same guard calls, the same actions and
 the same after-edge bookkeeping (trace, guard, reason, the cheap invariant check), with
 `transitions` taken out. Reading the table keeps the comparison honest as edges change.
+A third row runs the same cycle on the same definition through transitions' stock `Event`
+(`RolloutMachine(spec, stock=True)`), against the engine's: the price of the stock path
+per edge, which is why the engine's event evaluates the rows itself (docs/machine.md).
 """
 
 from __future__ import annotations
@@ -132,7 +135,8 @@ def fsm_figures(sizes: Sizes) -> list[Figure]:
     """Setup and per-transition cost, medians over `sizes.repeats` runs."""
     machine = get_machine()
     index = edge_index(machine)
-    setup, add_model, fsm, plain = [], [], [], []
+    stock_machine = RolloutMachine(machine.spec, stock=True)
+    setup, add_model, fsm, plain, stock = [], [], [], [], []
     for _ in range(sizes.repeats):
         setup.append(_per_call(lambda: Rollout(Inputs(_CFG, prompt="p", sampling_params=dict(_PARAMS), routing_key="k",
                                                allowed_tools=frozenset({"code_interpreter"}), asked_max_new_tokens=1024)),
@@ -142,6 +146,8 @@ def fsm_figures(sizes: Sizes) -> list[Figure]:
         fsm.append(_per_call(lambda: fsm_cycle(machine, r, sizes.fsm_cycles), 1) / (sizes.fsm_cycles * CYCLE_TRANSITIONS))
         r = _rollout()
         plain.append(_per_call(lambda: plain_cycle(index, r, sizes.fsm_cycles), 1) / (sizes.fsm_cycles * CYCLE_TRANSITIONS))
+        r = _rollout()
+        stock.append(_per_call(lambda: fsm_cycle(stock_machine, r, sizes.fsm_cycles), 1) / (sizes.fsm_cycles * CYCLE_TRANSITIONS))
     us = 1e6
     states = len(machine.spec.states)
     return [
@@ -151,4 +157,7 @@ def fsm_figures(sizes: Sizes) -> list[Figure]:
         Figure("fsm_transition", "per transition: RolloutMachine.fire (guards + actions)", median(fsm) * us, "us",
                median(plain) * us, "plain Python over the same table", "value", "<=", 10.0, sizes.repeats,
                {"machine_overhead_us": (median(fsm) - median(plain)) * us, "cycles": sizes.fsm_cycles}),
+        Figure("fsm_transition_stock", "per transition: the same machine through transitions' stock Event",
+               median(stock) * us, "us", median(fsm) * us, "RolloutMachine.fire (the engine's event)", None, None, None,
+               sizes.repeats, {"extra_us_per_edge": (median(stock) - median(fsm)) * us, "cycles": sizes.fsm_cycles}),
     ]

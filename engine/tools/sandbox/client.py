@@ -29,8 +29,8 @@ ZYGOTE = str(Path(__file__).resolve().with_name("zygote.py"))
 RESTART_AFTER = 4096  # runs per zygote
 START_TIMEOUT_S = 60.0
 # Modules most model code imports, loaded once in the zygote instead of once per call.
-# numpy is worth it (an import costs ~150 ms of CPU, a fork inherits it for free); sympy
-# is not (a second of start-up and a bigger process to fork for every call).
+# numpy is worth it (its import costs a run real CPU time, a fork inherits it for free); sympy
+# is not (a long start-up and a bigger process to fork for every call).
 PRELOAD = ("json", "math", "re", "random", "collections", "itertools", "functools", "fractions", "decimal",
            "statistics", "datetime", "traceback", "linecache", "string", "heapq", "bisect", "numpy")
 
