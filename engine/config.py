@@ -28,10 +28,12 @@ To add a setting: one `Setting(...)` row below, and one field
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import logging
 import math
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, NoReturn
 
@@ -482,9 +484,24 @@ def fully_async(get: Get) -> bool:
     return path is not None and "fully_async" in path
 
 
-def is_fully_async(args: Any) -> bool:
-    """`fully_async` read from slime's args."""
-    return isinstance(getattr(args, "rollout_function_path", None), str) and fully_async(lambda key: setting(args, key))
+_PLAIN_NAMESPACES = (argparse.Namespace, types.SimpleNamespace)
+
+
+def _args_key(args: Any) -> Any:
+    """What `from_args` remembers a config by: the object and the value (and type) of every key read.
+
+    Built in C where it can (the namespace's dict, `map`): slime asks once per sample.
+    """
+    if type(args) in _PLAIN_NAMESPACES:  # every attribute is in its __dict__
+        values = tuple(map(vars(args).get, ENGINE_KEYS))
+    else:
+        values = tuple(getattr(args, key, None) for key in ENGINE_KEYS)
+    key = (id(args), values, tuple(map(type, values)))  # 1, 1.0 and True stay apart: they read differently
+    try:
+        hash(key)
+    except TypeError:  # a list (engine_tools from YAML) or another unhashable value
+        return (id(args), tuple(map(_hashable, values)))
+    return key
 
 
 _FROM_ARGS_CACHE = 64
@@ -581,7 +598,7 @@ class EngineConfig:
         sentence. slime calls this once per sample with the same `args`: the result is remembered
         by the values it was read from, and the namespace is scanned for unknown keys once per object.
         """
-        seen = (id(args), tuple(_hashable(getattr(args, key, None)) for key in ENGINE_KEYS))
+        seen = _args_key(args)
         cached = _from_args_cache.get(seen)
         if cached is not None:
             return cached

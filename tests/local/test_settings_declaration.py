@@ -152,3 +152,25 @@ def test_every_rows_default_is_allowed_by_its_own_row() -> None:
         assert row.fits(row.default) and row.read(None) == row.default, row.key
         if row.run_default is not None:
             assert row.read(row.run_default) == row.run_default, row.key
+
+
+def test_any_object_with_the_keys_as_attributes_is_read_and_followed() -> None:
+    """slime passes an argparse.Namespace (read through its dict); another object is read attribute by attribute."""
+
+    class Args:
+        engine_max_turns = 5
+
+        @property
+        def engine_max_tool_calls(self) -> int:
+            return 2
+
+    args = Args()
+    cfg = EngineConfig.from_args(args)
+    assert (cfg.max_turns, cfg.max_tool_calls) == (5, 2) and EngineConfig.from_args(args) is cfg
+    Args.engine_max_turns = 6
+    assert EngineConfig.from_args(args).max_turns == 6
+    ns = argparse.Namespace(engine_max_turns=1)
+    assert EngineConfig.from_args(ns).max_turns == 1
+    ns.engine_max_turns = True  # same value as 1, another type: read again, and refused
+    with pytest.raises(SettingsError, match="got True"):
+        EngineConfig.from_args(ns)
