@@ -726,6 +726,11 @@ def settings_page() -> str:
         "",
         "`python -m engine run` reads the same keys from `--config` (a YAML as slime's) and from its flags; "
         "a flag wins over the file. Where `run`'s default differs from a training job's, both are shown.",
+        "",
+        "To add a setting: one `Setting(...)` row in `SETTINGS` (engine/config.py) and one field "
+        "`name: type = setting_field(\"engine_name\")` in `EngineConfig` (a value made from several keys: "
+        "`derived_field` and a small function); `Flag(...)` on the row offers it in `run`. Then "
+        "`python -m engine settings --out docs/settings.md`.",
     ]
     for title, words, chosen in _SECTIONS:
         parts += ["", f"## {title}", "", words, "", settings_table(s for s in SETTINGS.values() if chosen(s))]

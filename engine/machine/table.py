@@ -268,7 +268,8 @@ class _TableMachine(Machine):
         skipped = [name for name in ("prepare_event", "before_state_change", "after_state_change", "finalize_event",
                                      "on_exception", "on_final") if getattr(self, name)]
         if self.has_queue or self.model_attribute != "state" or self.send_event or skipped:
-            raise ValueError(f"the rollout machine's short path cannot honour: queued / model_attribute / send_event / {skipped}")
+            raise ValueError("the rollout machine's short path cannot honour: "
+                             f"queued / model_attribute / send_event / {skipped}")
         for state in self.states.values():
             if state.on_enter or state.on_exit or state.final:
                 raise ValueError(f"the rollout machine's short path skips enter/exit callbacks ({state.name})")

@@ -264,7 +264,8 @@ def test_one_transitions_machine_holds_the_table_in_order():
     machine = get_machine()
     for edge in machine.spec.edges:
         rows = machine._machine.events[edge.trigger].transitions[edge.source]
-        same = [t for t in rows if t.dest == edge.dest and [c.func for c in t.conditions] == ([edge.guard] if edge.guard not in (None, guards.otherwise) else [])]
+        conditions = [edge.guard] if edge.guard not in (None, guards.otherwise) else []
+        same = [t for t in rows if t.dest == edge.dest and [c.func for c in t.conditions] == conditions]
         assert same and list(same[0].before) == list(edge.actions), edge
     for (source, trigger), edges in _groups(machine.spec).items():
         rows = machine._machine.events[trigger].transitions[source]
