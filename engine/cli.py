@@ -136,6 +136,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                                 "(default: the demo's, in the chosen profile's format)")
     for row in flagged_settings():
         assert row.flag is not None
+        if row.flag.group not in groups:  # a group no flag used before
+            groups[row.flag.group] = run.add_argument_group(row.flag.group)
         add_setting_flag(groups[row.flag.group], row)
 
 
