@@ -14,7 +14,7 @@ ANSWER = "Answer: \\boxed{42}"
 
 
 def cfg(**kw: object) -> engine.EngineConfig:
-    return engine.EngineConfig(server_url=URL, http_transport="httpx", **kw)  # type: ignore[arg-type]
+    return engine.EngineConfig(server_url=URL, **kw)
 
 
 def test_a_transiently_failed_attempt_is_run_again_and_recorded(fake_interpreter: FakeInterpreter) -> None:
