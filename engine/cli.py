@@ -103,6 +103,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                             "[engine_tool_modules] (default: none)")
     tools.add_argument("--tools", metavar="A,B", type=names, help="offer only these tools [engine_tools] "
                        "(default: every registered tool)")
+    tools.add_argument("--environment", metavar="NAME", help="the environment answering turns that call no tool, "
+                       "e.g. user_simulator [engine_environment] (default: none)")
     tools.add_argument("--tool-timeout", metavar="S", type=number(0, above=True, high=86400),
                        help="seconds a tool call may run [engine_tool_timeout] (default: 120)")
     tools.add_argument("--max-tool-calls", metavar="N", type=whole(0), help="tool calls per sample "

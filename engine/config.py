@@ -191,6 +191,13 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_tool_output_chars", int, 8192, "characters of a tool's output kept", low=1, high=10**8),
     Setting("engine_tools", "names", None, "the tools offered (default: every registered tool)"),
     Setting("engine_tool_modules", "names", (), "modules imported so their tools register"),
+    Setting("engine_environment", str, None, "the environment answering model turns that call no tool (default: none; the turn is the final answer)"),
+    Setting("engine_user_sim_url", "url", None, "user_simulator: the second model's URL"),
+    Setting("engine_user_sim_api", str, "chat", "user_simulator: chat (/v1/chat/completions) or generate (SGLang's /generate)", choices=("chat", "generate")),
+    Setting("engine_user_sim_model", str, "default", "user_simulator: the model name sent to the chat API"),
+    Setting("engine_user_sim_temperature", float, 0.7, "user_simulator: sampling temperature", low=0, high=100),
+    Setting("engine_user_sim_max_tokens", int, 256, "user_simulator: tokens per user message", low=1, high=10**6),
+    Setting("engine_mcp_servers", "names", (), "MCP servers whose tools are offered: each a command line (stdio) or an http(s) URL"),
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
     Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
     Setting("engine_max_reply_bytes", int, 1 << 30, "bytes one /generate reply may hold; a larger one fails the request", low=1 << 16, high=1 << 40),
@@ -316,6 +323,13 @@ class EngineConfig:
     tool_output_chars: int = attrs.field(default=8192, validator=_positive)
     tools: tuple[str, ...] | None = None  # None: every registered tool
     tool_modules: tuple[str, ...] = ()  # modules imported so their tools register
+    environment: str | None = None  # engine_environment: a registered engine.envs environment
+    user_sim_url: str | None = None
+    user_sim_api: str = "chat"
+    user_sim_model: str = "default"
+    user_sim_temperature: float = 0.7
+    user_sim_max_tokens: int = 256
+    mcp_servers: tuple[str, ...] = ()  # engine_mcp_servers: command lines (stdio) or http(s) URLs
     request_timeout: float = attrs.field(default=1800.0, validator=_positive)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     max_reply_bytes: int = attrs.field(default=1 << 30, validator=_positive)  # routing replay replies run to 100s of MB
@@ -425,6 +439,13 @@ class EngineConfig:
             tool_output_chars=get("engine_tool_output_chars"),
             tools=tools if tools else None,
             tool_modules=get("engine_tool_modules"),
+            environment=get("engine_environment") or None,
+            user_sim_url=get("engine_user_sim_url"),
+            user_sim_api=get("engine_user_sim_api"),
+            user_sim_model=get("engine_user_sim_model"),
+            user_sim_temperature=get("engine_user_sim_temperature"),
+            user_sim_max_tokens=get("engine_user_sim_max_tokens"),
+            mcp_servers=get("engine_mcp_servers"),
             request_timeout=request_timeout,
             connect_timeout=get("engine_connect_timeout"),
             max_reply_bytes=get("engine_max_reply_bytes"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from engine import tools
+from engine import envs, tools
 from engine.aio import Gate
 from engine.config import EngineConfig
 from engine.loop.abort import AbortSignal
@@ -39,6 +39,7 @@ class Runtime:
     tool_runner: ToolRunner
     abort: AbortSignal = attrs.field(factory=AbortSignal)
     abort_check: Callable[[], bool] | None = None  # the caller's own flag (slime's, via the adapter)
+    environment: Any = None  # the chosen `engine.envs.Environment`, set up for this runtime (None: none)
     # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
@@ -122,7 +123,9 @@ class Runtime:
         http = http if http is not None else make_http_client(cfg)
         client = SGLangClient(cfg.server_url, http, cfg.retry, request_timeout=cfg.request_timeout,
                               vocab_size=vocabulary_size(tok))
-        return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg), abort_check=abort_check)
+        profile = make_profile(cfg.profile, tok)
+        environment = set_up_environment(cfg, profile)
+        return cls(cfg, tok, profile, client, ToolRunner(cfg), abort_check=abort_check, environment=environment)
 
     def tool_schemas(
         self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None
@@ -145,7 +148,29 @@ class Runtime:
         return frozenset(allowed)
 
     async def aclose(self) -> None:
-        await self.client.http.aclose()
+        try:
+            if self.environment is not None:
+                await self.environment.aclose()
+        finally:
+            await self.client.http.aclose()
+
+
+def set_up_environment(cfg: EngineConfig, profile: Profile) -> Any:
+    """The environment `engine_environment` names, set up for one runtime; None when none is chosen.
+
+    Raises ValueError naming the registered ones for an unknown name, and for a profile that
+    cannot render a user turn.
+    """
+    if cfg.environment is None:
+        return None
+    env = envs.get_environment(cfg.environment)
+    if env is None:
+        known = ", ".join(envs.environment_names()) or "none"
+        raise ValueError(f"unknown environment {cfg.environment!r} (engine_environment): registered are {known}; "
+                         "name the module that registers it in engine_tool_modules")
+    if not callable(getattr(profile, "user_turn_ids", None)):
+        raise ValueError(f"the {profile.name} profile cannot append an environment's reply as a user turn")
+    return env.setup(cfg)
 
 
 def vocabulary_size(tokenizer: Any) -> int | None:
