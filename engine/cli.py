@@ -103,6 +103,9 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                             "[engine_tool_modules] (default: none)")
     tools.add_argument("--tools", metavar="A,B", type=names, help="offer only these tools [engine_tools] "
                        "(default: every registered tool)")
+    tools.add_argument("--mcp-server", metavar="CMD_OR_URL", action="append", dest="mcp_servers",
+                       help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL; repeatable "
+                            "[engine_mcp_servers] (default: none)")
     tools.add_argument("--environment", metavar="NAME", help="the environment answering turns that call no tool, "
                        "e.g. user_simulator [engine_environment] (default: none)")
     tools.add_argument("--tool-timeout", metavar="S", type=number(0, above=True, high=86400),

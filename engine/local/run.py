@@ -51,6 +51,7 @@ FLAG_KEYS = {
     "tool_modules": "engine_tool_modules",
     "tools": "engine_tools",
     "environment": "engine_environment",
+    "mcp_servers": "engine_mcp_servers",
     "temperature": "rollout_temperature",
     "top_p": "rollout_top_p",
     "n_samples_per_prompt": "n_samples_per_prompt",
@@ -162,7 +163,7 @@ def _origin(ns: argparse.Namespace, key: str) -> str:
     """Where a setting came from, for an error message: its flag, or the YAML key."""
     for dest, k in FLAG_KEYS.items():
         if k == key and getattr(ns, dest, None) is not None:
-            return "--tool-module" if dest == "tool_modules" else "--" + dest.replace("_", "-")
+            return {"tool_modules": "--tool-module", "mcp_servers": "--mcp-server"}.get(dest, "--" + dest.replace("_", "-"))
     return f"{key} in {ns.config}" if getattr(ns, "config", None) else key
 
 
@@ -240,6 +241,13 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
         except Exception as exc:
             raise UsageError(f"{_origin(ns, 'engine_tool_modules')} {module}: cannot import it "
                              f"({type(exc).__name__}: {exc})") from None
+    if cfg.mcp_servers:
+        from engine.tools import mcp_servers
+
+        try:
+            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+        except ValueError as exc:
+            raise UsageError(f"{_origin(ns, 'engine_mcp_servers')}: {exc}") from None
     check_environment(ns, cfg)
     registered = tools.names()
     unknown = [n for n in cfg.tools or () if n not in registered]

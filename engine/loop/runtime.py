@@ -16,6 +16,7 @@ import attrs
 
 from engine import envs, tools
 from engine.aio import Gate
+from engine.tools import mcp_servers
 from engine.config import EngineConfig
 from engine.loop.abort import AbortSignal
 from engine.loop.tool_calls import ToolRunner
@@ -116,6 +117,8 @@ class Runtime:
         """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
         for module in cfg.tool_modules:
             importlib.import_module(module)
+        if cfg.mcp_servers:  # their tools register like a module's, before the machine is built
+            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
         configure_sandbox(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
@@ -151,6 +154,8 @@ class Runtime:
         try:
             if self.environment is not None:
                 await self.environment.aclose()
+            if self.cfg.mcp_servers:
+                await mcp_servers.close_connections()  # the servers this loop started end with the run
         finally:
             await self.client.http.aclose()
 
