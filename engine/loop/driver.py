@@ -164,7 +164,13 @@ async def step_environment(rt: Runtime, r: Rollout) -> str:
             r.env_started = True
             metadata = r.inputs.metadata if isinstance(r.inputs.metadata, dict) else {}
             r.env_episode = await within(rt.cfg.tool_timeout, env.start(r.inputs.prompt, metadata))
-        reply = envs.check_reply(await within(rt.cfg.tool_timeout, env.respond(r.env_episode, r.turn.text)))
+        answering = asyncio.ensure_future(within(rt.cfg.tool_timeout, env.respond(r.env_episode, r.turn.text)))
+        if not await finished_unless_aborted(rt, answering):
+            # The caller is ending the step: end resumable, as a tool turn would.
+            r.record.error = f"abort requested while environment {name} answered"
+            r.stop_because("abort_requested")
+            return Trigger.CANCELLED
+        reply = envs.check_reply(answering.result())
     except asyncio.TimeoutError:
         r.record.error = f"environment {name} did not answer within {rt.cfg.tool_timeout:g} seconds"
         return Trigger.ENV_FAILED

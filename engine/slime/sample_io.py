@@ -327,7 +327,10 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
         meta["routed_experts_rows"] = r.traj.routed_rows  # from the server; the rest are padding
     if r.resume_rejected:
         meta["checkpoint_rejected"] = r.resume_rejected
-    if r.cfg.partial_rollout and r.state == State.ABORTED and record.reason != Trigger.INVARIANT_VIOLATED:
+    # An environment's episode lives in its own memory, which no checkpoint holds: such a sample
+    # re-queued starts again from its prompt.
+    if (r.cfg.partial_rollout and r.state == State.ABORTED and record.reason != Trigger.INVARIANT_VIOLATED
+            and r.inputs.environment is None):
         meta["checkpoint"] = checkpoint.make_checkpoint(r, frozenset(get_machine().spec.tool_states))
     if record.error:
         meta["engine_error"] = record.error

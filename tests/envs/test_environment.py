@@ -260,3 +260,35 @@ def test_envs_knows_nothing_of_the_engine():
     env_modules = [m for m in graph if m == "engine.envs" or m.startswith("engine.envs.")]
     assert "engine.envs.user_simulator" in env_modules
     assert not {d for m in env_modules for d in graph[m] if not d.startswith("engine.envs")}
+
+
+def test_slimes_abort_cuts_an_environment_that_is_answering_and_writes_no_checkpoint():
+    """The episode lives in the environment's memory: a re-queued sample starts from its prompt."""
+    from tests.slime.slime_rules import slime_aborting
+
+    answering = asyncio.Event()
+
+    class Slow(Guess):
+        async def respond(self, episode: Any, text: str) -> envs.Reply:
+            answering.set()
+            await asyncio.sleep(600)
+            return envs.Reply("late")
+
+    env = Slow()
+    sample = Sample(prompt=MESSAGES, metadata={"secret": 3})
+
+    async def go() -> None:
+        with envs.registered_environment(env), respx.mock(assert_all_called=False) as mock:
+            mock.post("http://sglang.test:30000/generate").mock(side_effect=ScriptedServer([turn("5")]))
+            args = make_args(engine_profile="chat", engine_environment="guess_test", engine_tool_timeout=600,
+                             partial_rollout=True)
+            task = asyncio.create_task(slime.generate(args, sample, dict(SAMPLING)))
+            await asyncio.wait_for(answering.wait(), 30)
+            with slime_aborting():
+                await asyncio.wait_for(task, 20)  # long before the environment would answer
+
+    run(go())
+    fsm = sample.metadata["fsm"]
+    assert sample.status.name == "ABORTED" and fsm["termination_reason"] == "abort_requested"
+    assert tuple(fsm["trace"][-1]) == ("ENVIRONMENT", "cancelled", "ABORTED")
+    assert "checkpoint" not in fsm and env.ended == 1
