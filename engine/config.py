@@ -286,6 +286,17 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_tool_modules", "names", (), "modules imported so their tools register",
             flag=Flag("--tool-module", "MODULE", TOOLS, help="import this module so the tools it registers are offered",
                       repeatable=True, dest="tool_modules")),
+    Setting("engine_environment", str, None, "the environment answering model turns that call no tool",
+            unset="none; such a turn is the final answer",
+            flag=Flag("--environment", "NAME", TOOLS, help="the environment answering turns that call no tool, e.g. user_simulator")),
+    Setting("engine_user_sim_url", "url", None, "user_simulator: the second model's URL"),
+    Setting("engine_user_sim_api", str, "chat", "user_simulator: chat (/v1/chat/completions) or generate (SGLang's /generate)", choices=("chat", "generate")),
+    Setting("engine_user_sim_model", str, "default", "user_simulator: the model name sent to the chat API"),
+    Setting("engine_user_sim_temperature", float, 0.7, "user_simulator: sampling temperature", low=0, high=100),
+    Setting("engine_user_sim_max_tokens", int, 256, "user_simulator: tokens per user message", low=1, high=10**6),
+    Setting("engine_mcp_servers", "names", (), "MCP servers whose tools are offered: each a command line (stdio) or an http(s) URL",
+            flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL",
+                      repeatable=True, dest="mcp_servers")),
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
     Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
     Setting("engine_max_reply_bytes", int, 1 << 30, "bytes one /generate reply may hold; a larger one fails the request", low=1 << 16, high=1 << 40),
@@ -536,6 +547,13 @@ class EngineConfig:
     tool_output_chars: int = setting_field("engine_tool_output_chars")
     tools: tuple[str, ...] | None = setting_field("engine_tools")  # None: every registered tool
     tool_modules: tuple[str, ...] = setting_field("engine_tool_modules")
+    environment: str | None = setting_field("engine_environment")  # a registered engine.envs environment
+    user_sim_url: str | None = setting_field("engine_user_sim_url")
+    user_sim_api: str = setting_field("engine_user_sim_api")
+    user_sim_model: str = setting_field("engine_user_sim_model")
+    user_sim_temperature: float = setting_field("engine_user_sim_temperature")
+    user_sim_max_tokens: int = setting_field("engine_user_sim_max_tokens")
+    mcp_servers: tuple[str, ...] = setting_field("engine_mcp_servers")  # command lines (stdio) or http(s) URLs
     request_timeout: float = setting_field("engine_request_timeout")
     connect_timeout: float = setting_field("engine_connect_timeout")
     max_reply_bytes: int = setting_field("engine_max_reply_bytes")  # routing replay replies run to 100s of MB

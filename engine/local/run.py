@@ -223,12 +223,36 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
         except Exception as exc:
             raise UsageError(f"{_origin(ns, 'engine_tool_modules')} {module}: cannot import it "
                              f"({type(exc).__name__}: {exc})") from None
+    if cfg.mcp_servers:
+        from engine.tools import mcp_servers
+
+        try:
+            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+        except ValueError as exc:
+            raise UsageError(f"{_origin(ns, 'engine_mcp_servers')}: {exc}") from None
+    check_environment(ns, cfg)
     registered = tools.names()
     unknown = [n for n in cfg.tools or () if n not in registered]
     if unknown:
         raise UsageError(f"{_origin(ns, 'engine_tools')}: no tool named {', '.join(map(repr, unknown))} "
                          f"(registered: {', '.join(registered) or 'none'}; add one with --tool-module)")
     return [n for n in registered if cfg.tools is None or n in cfg.tools]
+
+
+def check_environment(ns: argparse.Namespace, cfg: EngineConfig) -> None:
+    """The environment must be registered (after the tool modules are imported) and set up."""
+    if cfg.environment is None:
+        return
+    from engine import envs
+
+    env = envs.get_environment(cfg.environment)
+    if env is None:
+        raise UsageError(f"{_origin(ns, 'engine_environment')}: no environment named {cfg.environment!r} "
+                         f"(registered: {', '.join(envs.environment_names()) or 'none'}; add one with --tool-module)")
+    try:
+        env.setup(cfg)
+    except Exception as exc:
+        raise UsageError(f"{_origin(ns, 'engine_environment')} {cfg.environment}: {exc}") from None
 
 
 def check_budgets(ns: argparse.Namespace, cfg: EngineConfig, max_new_tokens: int) -> None:

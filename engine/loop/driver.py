@@ -17,7 +17,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine import tools
+from engine import envs, tools
+from engine.aio import within
 from engine.config import log_once
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint
@@ -149,6 +150,40 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     return Trigger.TOOL_DONE
 
 
+async def step_environment(rt: Runtime, r: Rollout) -> str:
+    """The environment answers the model's turn; its reply becomes the next user turn's ids.
+
+    Each call (`start` on the episode's first turn, then `respond`) is bounded by
+    `engine_tool_timeout`. An environment that raises, returns the wrong type or never answers
+    fires `environment_failed`: the sample ends FAILED with the reason recorded, untrained.
+    """
+    env = r.inputs.environment
+    name = getattr(env, "name", type(env).__name__)
+    try:
+        if not r.env_started:
+            r.env_started = True
+            metadata = r.inputs.metadata if isinstance(r.inputs.metadata, dict) else {}
+            r.env_episode = await within(rt.cfg.tool_timeout, env.start(r.inputs.prompt, metadata))
+        answering = asyncio.ensure_future(within(rt.cfg.tool_timeout, env.respond(r.env_episode, r.turn.text)))
+        if not await finished_unless_aborted(rt, answering):
+            # The caller is ending the step: end resumable, as a tool turn would.
+            r.record.error = f"abort requested while environment {name} answered"
+            r.stop_because("abort_requested")
+            return Trigger.CANCELLED
+        reply = envs.check_reply(answering.result())
+    except asyncio.TimeoutError:
+        r.record.error = f"environment {name} did not answer within {rt.cfg.tool_timeout:g} seconds"
+        return Trigger.ENV_FAILED
+    except Exception as exc:  # the environment's bug or its backend's failure: recorded, never raised
+        r.record.error = f"environment {name} failed: {type(exc).__name__}: {exc}"
+        return Trigger.ENV_FAILED
+    r.turn.env_reply = reply
+    if not reply.done:
+        last = r.traj.response_ids[-1] if r.traj.response_length else None
+        r.turn.observation_ids = rt.profile.user_turn_ids(reply.text, last)
+    return Trigger.ENV_REPLY
+
+
 async def finished_unless_aborted(rt: Runtime, work: asyncio.Future[Any]) -> bool:
     """Wait for `work`; if the caller starts aborting first, it is cancelled and waited for: False.
 
@@ -188,6 +223,7 @@ STEPS: dict[str, StateStep] = {
     State.RESET: step_reset,
     State.GENERATE: step_generate,
     State.TOOL_CALL: step_tool_call,
+    State.ENVIRONMENT: step_environment,
 }
 
 
@@ -246,6 +282,7 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
         if deferred:
             full_collections.exit()
         await release_tool_sessions(r)
+        await end_episode(rt, r)
     return r
 
 
@@ -299,6 +336,18 @@ async def release_tool_sessions(r: Rollout) -> None:
     r.tool_sessions.clear()
 
 
+async def end_episode(rt: Runtime, r: Rollout) -> None:
+    """Tell the environment its episode is over, whatever happened (bounded; its failure is ignored)."""
+    if not r.env_started:
+        return
+    r.env_started = False
+    try:
+        await asyncio.shield(within(rt.cfg.tool_timeout, r.inputs.environment.end(r.env_episode)))
+    except Exception:  # the sample's own outcome stands
+        pass
+    r.env_episode = None
+
+
 def new_rollout(
     rt: Runtime,
     prompt: Any,
@@ -308,8 +357,10 @@ def new_rollout(
     routing_key: str | None = None,
     saved: Saved | None = None,
     tool_schemas: dict[str, dict[str, Any]] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> Rollout:
-    """A rollout at RESET for a prompt. `tools_requested` narrows the tools (a sample's own list)."""
+    """A rollout at RESET for a prompt. `tools_requested` narrows the tools (a sample's own list);
+    `metadata` is the sample's, which the runtime's environment (if any) starts its episode from."""
     params = dict(sampling_params)  # the caller's dict is never changed (slime shares one in evaluation)
     asked = params.get("max_new_tokens")
     inputs = Inputs(
@@ -322,5 +373,7 @@ def new_rollout(
         tool_schemas=tool_schemas,
         abort_check=rt.abort_requested,
         saved=saved,
+        environment=rt.environment,
+        metadata=metadata,
     )
     return Rollout(inputs)

@@ -13,8 +13,9 @@ from typing import Any
 
 import attrs
 
-from engine import tools
+from engine import envs, tools
 from engine.aio import Gate
+from engine.tools import mcp_servers
 from engine.config import EngineConfig
 from engine.loop.abort import AbortSignal
 from engine.loop.tool_calls import ToolRunner
@@ -38,6 +39,7 @@ class Runtime:
     tool_runner: ToolRunner
     abort: AbortSignal = attrs.field(factory=AbortSignal)
     abort_check: Callable[[], bool] | None = None  # the caller's own flag (slime's, via the adapter)
+    environment: Any = None  # the chosen `engine.envs.Environment`, set up for this runtime (None: none)
     # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
@@ -118,6 +120,8 @@ class Runtime:
         """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
         for module in cfg.tool_modules:
             importlib.import_module(module)
+        if cfg.mcp_servers:  # their tools register like a module's, before the machine is built
+            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
         configure_sandbox(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
@@ -125,7 +129,9 @@ class Runtime:
         http = http if http is not None else make_http_client(cfg)
         client = SGLangClient(cfg.server_url, http, cfg.retry, request_timeout=cfg.request_timeout,
                               vocab_size=vocabulary_size(tok))
-        return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg), abort_check=abort_check)
+        profile = make_profile(cfg.profile, tok)
+        environment = set_up_environment(cfg, profile)
+        return cls(cfg, tok, profile, client, ToolRunner(cfg), abort_check=abort_check, environment=environment)
 
     def tool_schemas(
         self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None
@@ -148,8 +154,14 @@ class Runtime:
         return frozenset(allowed)
 
     async def aclose(self) -> None:
-        """Close the HTTP pool."""
-        await self.client.http.aclose()
+        """Close the environment, the MCP servers this loop started, and the HTTP pool."""
+        try:
+            if self.environment is not None:
+                await self.environment.aclose()
+            if self.cfg.mcp_servers:
+                await mcp_servers.close_connections()  # the servers this loop started end with the run
+        finally:
+            await self.client.http.aclose()
 
     async def __aenter__(self) -> Runtime:
         """`async with Runtime.create(cfg) as rt:` closes the runtime however the block ends."""
@@ -157,6 +169,24 @@ class Runtime:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def set_up_environment(cfg: EngineConfig, profile: Profile) -> Any:
+    """The environment `engine_environment` names, set up for one runtime; None when none is chosen.
+
+    Raises ValueError naming the registered ones for an unknown name, and for a profile that
+    cannot render a user turn.
+    """
+    if cfg.environment is None:
+        return None
+    env = envs.get_environment(cfg.environment)
+    if env is None:
+        known = ", ".join(envs.environment_names()) or "none"
+        raise ValueError(f"unknown environment {cfg.environment!r} (engine_environment): registered are {known}; "
+                         "name the module that registers it in engine_tool_modules")
+    if not callable(getattr(profile, "user_turn_ids", None)):
+        raise ValueError(f"the {profile.name} profile cannot append an environment's reply as a user turn")
+    return env.setup(cfg)
 
 
 def exact_key(value: Any) -> Any:

@@ -10,6 +10,7 @@ inside the tool), so runtimes with different settings never overwrite each other
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 from engine import tools
@@ -23,6 +24,13 @@ REFUSALS = {  # calls answered without running, by kind
     "unknown_tool": "Error: unknown tool {name!r}",
     "surplus_call": "Error: too many tool calls in this turn; this one was not run",
 }
+
+
+def _reward(value: object) -> float | None:
+    """A tool's reward if it is a finite number; anything else is dropped (a tool bug is not a crash)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 class ToolRunner:
@@ -42,13 +50,13 @@ class ToolRunner:
     async def call(self, tool: tools.Tool, session: Any, call: ToolCall) -> CallResult:
         """One call; never raises except on cancellation. The slot is taken once per call."""
         with tools.registry.call_stats() as stats:  # what the tool counts (`tools.count`): retries, waiting
-            text, error = await self._execute(tool, session, call)
+            text, error, reward = await self._execute(tool, session, call)
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + TRUNCATION_MARKER.format(n=len(text) - self.max_chars)
             error = error or "output_truncated"
-        return CallResult(call, text, error, stats)
+        return CallResult(call, text, error, stats, reward)
 
-    async def _execute(self, tool: tools.Tool, session: Any, call: ToolCall) -> tuple[str, str | None]:
+    async def _execute(self, tool: tools.Tool, session: Any, call: ToolCall) -> tuple[str, str | None, float | None]:
         try:
             schema = tool.schema()["function"]["parameters"]
             arguments = tools.registry.check_arguments(schema, call.arguments)
@@ -59,13 +67,13 @@ class ToolRunner:
             finally:
                 self.slots.release()
         except tools.ToolError as exc:
-            return f"Error: {exc.message}", exc.kind
+            return f"Error: {exc.message}", exc.kind, None
         except tools.ToolUnavailable:
             raise  # not the model's error: the driver ends the sample
         except asyncio.TimeoutError:
-            return f"Error: {call.name} timed out after {self.timeout:g} seconds", "timeout"
+            return f"Error: {call.name} timed out after {self.timeout:g} seconds", "timeout", None
         except Exception as exc:  # a tool's bug is the model's error observation, not our crash
-            return f"Error: {call.name} failed: {type(exc).__name__}: {exc}", "crash"
+            return f"Error: {call.name} failed: {type(exc).__name__}: {exc}", "crash", None
         if isinstance(out, tools.ToolResult):
-            return out.text, out.error
-        return str(out), None
+            return out.text, out.error, _reward(out.reward)
+        return str(out), None, None

@@ -22,6 +22,7 @@ def reset_rollout(r: Rollout) -> None:
     r.max_new_tokens = None
     r.turn = TurnScratch()
     r.record.turn_log, r.record.weight_versions = [], []
+    r.record.env_reason = None
 
 
 def restore_checkpoint(r: Rollout) -> None:
@@ -77,9 +78,12 @@ def _log_turn(r: Rollout, appended: bool = True) -> None:
     r.turn_count += 1
     if reply is not None and reply.weight_version is not None:
         r.record.weight_versions.append(str(reply.weight_version))
+    segment = r.traj.segments[-1] if appended and reply is not None and reply.ids and r.traj.segments else None
     r.record.turn_log.append(
         {
             "turn": r.turn_count,
+            # The turn's tokens in the response, [start, end): per-turn rewards are read against it.
+            "span": (segment.start, segment.end) if segment is not None and segment.kind == "model" else None,
             "tokens": len(reply.ids) if reply is not None and appended else 0,
             "max_new_tokens": r.max_new_tokens,
             "finish": reply.finish if reply is not None else None,
@@ -122,6 +126,31 @@ def _refusal(r: Rollout, call: ToolCall, allowed: int) -> str | None:
     return None
 
 
+def record_env_reply(r: Rollout) -> None:
+    """Keep the environment's reward with the model turn it answers; if it ended the episode, why."""
+    reply = r.turn.env_reply
+    assert reply is not None
+    if r.record.turn_log:
+        add_turn_reward(r, reply.reward)
+    if reply.done:
+        r.record.env_reason = reply.reason
+
+
+def add_turn_reward(r: Rollout, reward: float | None) -> None:
+    """Add `reward` to the last model turn's (several tool calls of one turn add theirs up)."""
+    if reward is None or not r.record.turn_log:
+        return
+    last = r.record.turn_log[-1]
+    last["reward"] = (last.get("reward") or 0.0) + float(reward)
+
+
+def append_user_turn(r: Rollout) -> None:
+    """Append the environment's reply as the next user turn (mask 0, logprob 0.0); TRIM cuts an overflow."""
+    r.traj.append_observation(r.turn.observation_ids)
+    if r.record.turn_log:
+        r.record.turn_log[-1]["user_tokens"] = len(r.turn.observation_ids)
+
+
 def append_observation(r: Rollout) -> None:
     """Append the observation tokens (mask 0, logprob 0.0); they may overflow, TRIM cuts them."""
     r.traj.append_observation(r.turn.observation_ids)
@@ -130,6 +159,8 @@ def append_observation(r: Rollout) -> None:
         # Tuples: a turn's dict then holds no container the collector must keep walking.
         r.record.turn_log[-1]["tools"] = tuple(res.call.name for res in r.turn.results)
         r.record.turn_log[-1]["errors"] = tuple(res.error for res in r.turn.results)
+    for res in r.turn.results:
+        add_turn_reward(r, res.reward)
 
 
 def trim_to_budget(r: Rollout) -> None:

@@ -90,6 +90,11 @@ def answered(r: Rollout) -> bool:
     return r.turn.parsed is not None and r.turn.parsed.action == "answer"
 
 
+def environment_answers(r: Rollout) -> bool:
+    """An environment is chosen and the turn calls no tool: the environment answers it."""
+    return r.inputs.environment is not None and r.turn.parsed is not None and r.turn.parsed.action != "tool"
+
+
 def _wants_tools(r: Rollout) -> bool:
     return r.turn.parsed is not None and r.turn.parsed.action == "tool"
 
@@ -107,6 +112,12 @@ def calls_tool(r: Rollout) -> bool:
 def invalid_action(r: Rollout) -> bool:
     """The turn neither answers nor calls a tool: the profile answers with a note."""
     return r.turn.parsed is not None and r.turn.parsed.action == "invalid"
+
+
+# -- ENVIRONMENT ----------------------------------------------------------------------
+def environment_done(r: Rollout) -> bool:
+    """The environment ended the episode (its own reason is recorded beside this one)."""
+    return r.turn.env_reply is not None and r.turn.env_reply.done
 
 
 # -- TOOL_CALL ------------------------------------------------------------------------

@@ -57,6 +57,8 @@ class Inputs:
     tool_schemas: dict[str, dict[str, Any]] | None = None  # the sample's own schemas, by tool name
     abort_check: Callable[[], bool] = _never  # cooperative abort (the caller's flag, the runtime's signal)
     saved: Saved | None = None  # partial rollout: what an earlier attempt left on the sample
+    environment: Any = None  # the `engine.envs.Environment` answering turns that call no tool (None: none)
+    metadata: Any = None  # the sample's metadata, read-only, for the environment's `start`
 
 
 @attrs.define(eq=False, slots=True)
@@ -70,6 +72,7 @@ class TurnScratch:
     refused: list[tuple[ToolCall, str]] = attrs.field(factory=list)  # calls answered with an error, unrun, and why
     results: list[CallResult] = attrs.field(factory=list)  # answers to this turn's calls
     observation_ids: list[int] = attrs.field(factory=list)
+    env_reply: Any = None  # the environment's `Reply` to this turn
 
 
 @attrs.define(eq=False, slots=True)
@@ -111,6 +114,7 @@ class Record:
     generation_time: float = 0.0
     # Per /generate call, the meta_info counters slime accumulates (cached_tokens, spec_*...).
     call_stats: list[dict[str, int]] = attrs.field(factory=list)
+    env_reason: str | None = None  # why the environment ended the episode, in its own words
 
 
 @attrs.frozen
@@ -145,6 +149,8 @@ class Rollout:
     text: str = ""  # decode(response ids), made once the sample ends (the driver's `finish`)
     final_text: str = ""  # the model's own tokens after the last observation, decoded (what rewards read)
     tool_sessions: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool name
+    env_episode: Any = None  # what the environment's `start` returned (env_started: it was called)
+    env_started: bool = False
     # Partial rollout: what RESET made of the caller's checkpoint, and how far the last turn got.
     resume: Restored | None = None
     resume_rejected: str | None = None

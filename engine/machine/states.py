@@ -3,7 +3,8 @@
 `STATES` is the one definition of every core state: its name, its kind, whether its step
 awaits I/O (so a cancellation can arrive there), the trigger the driver fires at once when
 the state needs no I/O, and the legend the diagrams print. The state list, the awaiting set,
-the steps that need no coroutine and the legend are all built from it. Tool states
+the steps that need no coroutine and the legend are all built from it. ENVIRONMENT is taken
+only when an environment is chosen (`engine_environment`). Tool states
 (`TOOL_<NAME>`) are added per registered tool by `engine.machine.table`.
 """
 
@@ -23,6 +24,7 @@ class State(str, Enum):
     BUDGET_CHECK = "BUDGET_CHECK"
     GENERATE = "GENERATE"
     TOOL_CALL = "TOOL_CALL"
+    ENVIRONMENT = "ENVIRONMENT"
     TRIM = "TRIM"
     COMPLETED = "COMPLETED"
     TRUNCATED = "TRUNCATED"
@@ -48,6 +50,8 @@ class Trigger(str, Enum):
     OBSERVE = "observe"
     TOOL_DONE = "tool_done"
     TOOL_UNAVAILABLE = "tool_unavailable"
+    ENV_REPLY = "env_reply"
+    ENV_FAILED = "environment_failed"
     TRIM = "trim"
     CRASHED = "crashed"
     CANCELLED = "cancelled"
@@ -84,6 +88,7 @@ STATES: tuple[StateDef, ...] = (
     StateDef(S.BUDGET_CHECK, "core",     "before each turn: ends ABORTED (resumable) if the caller is aborting the step, TRUNCATED if the prompt alone is over budget or the context, per-turn cap or turns are spent, else clamps max_new_tokens to the room left", False, T.CHECK),
     StateDef(S.GENERATE,     "core",     "one /generate request; the reply's ids and logprobs are taken as sent, then the turn is parsed (answer, tool call, invalid)", True, None),
     StateDef(S.TOOL_CALL,    "core",     "plans the turn's calls (surplus or unparsable ones get an error answer), hands them to the tool states, appends the observation (mask 0)", False, None),
+    StateDef(S.ENVIRONMENT,  "core",     "the chosen environment (engine_environment) answers a model turn that is not a tool call: a user turn appended (mask 0) and the turn's reward, or the end of the episode", True, None),
     StateDef(S.TRIM,         "core",     "cuts every per-token array to the budget together after a reply or an observation overflowed it", False, T.TRIM),
     StateDef(S.COMPLETED,    "terminal", "the model gave its final answer"),
     StateDef(S.TRUNCATED,    "terminal", "a budget ran out (context, turns, tool calls) or the turn hit its max_new_tokens"),

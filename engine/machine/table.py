@@ -104,6 +104,7 @@ def core_edges() -> list[Edge]:
         E(S.GENERATE,     T.REPLY,              S.TRIM,         g.reply_over_budget,        (a.append_model_turn,)),
         E(S.GENERATE,     T.REPLY,              S.ABORTED,      g.server_aborted,           (a.append_model_turn,)),
         E(S.GENERATE,     T.REPLY,              S.TRUNCATED,    g.finished_length,          (a.append_model_turn,)),
+        E(S.GENERATE,     T.REPLY,              S.ENVIRONMENT,  g.environment_answers,     (a.append_model_turn,)),
         E(S.GENERATE,     T.REPLY,              S.COMPLETED,    g.answered,                 (a.append_model_turn,)),
         E(S.GENERATE,     T.REPLY,              S.TRUNCATED,    g.tool_calls_exhausted,     (a.append_model_turn,)),
         E(S.GENERATE,     T.REPLY,              S.TOOL_CALL,    g.calls_tool,               (a.append_model_turn, a.plan_tool_calls)),
@@ -113,6 +114,10 @@ def core_edges() -> list[Edge]:
         E(S.GENERATE,     T.REQUEST_REJECTED,   S.FAILED),
         E(S.TOOL_CALL,    T.OBSERVE,            S.TRIM,         g.observation_over_budget,  (a.append_observation,)),
         E(S.TOOL_CALL,    T.OBSERVE,            S.BUDGET_CHECK, otherwise,                  (a.append_observation,)),
+        E(S.ENVIRONMENT,  T.ENV_REPLY,          S.COMPLETED,    g.environment_done,         (a.record_env_reply,)),
+        E(S.ENVIRONMENT,  T.ENV_REPLY,          S.TRIM,         g.observation_over_budget,  (a.record_env_reply, a.append_user_turn)),
+        E(S.ENVIRONMENT,  T.ENV_REPLY,          S.BUDGET_CHECK, otherwise,                  (a.record_env_reply, a.append_user_turn)),
+        E(S.ENVIRONMENT,  T.ENV_FAILED,         S.FAILED),
         E(S.TRIM,         T.TRIM,               S.TRUNCATED,    None,                       (a.trim_to_budget,)),
     ]
     # fmt: on

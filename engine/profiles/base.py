@@ -36,6 +36,7 @@ class CallResult:
     text: str
     error: str | None = None
     stats: dict[str, float] = attrs.field(factory=dict, eq=False)  # what the tool counted (`tools.count`)
+    reward: float | None = None  # the tool's reward for the turn that called it (`ToolResult.reward`)
 
 
 class Profile(Protocol):

@@ -129,6 +129,14 @@ class RetoolProfile:
         """The observation as plain text: a special token printed by a tool stays text (issue 14)."""
         return self.codec.encode_plain(self.observation_text(turn, results))
 
+    def user_turn_ids(self, text: str, last_token: int | None = None) -> list[int]:
+        """An environment's reply as the next user turn, in the example's markup; the reply is
+        plain text (a special token in it stays text), the markup around it is not."""
+        im_end = self.codec.encode("<|im_end|>")
+        closing = [] if [last_token] == im_end else im_end
+        return (closing + self.codec.encode("\n<|im_start|>user") + self.codec.encode_plain(text)
+                + self.codec.encode("<|im_end|>\n<|im_start|>assistant"))
+
     def encode(self, text: str) -> list[int]:
         return self.codec.encode(text)
 

@@ -89,7 +89,7 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
             # Only the first attempt may resume a checkpoint; a re-run starts from RESET.
             return new_rollout(rt, inp.prompt, inp.sampling_params, saved=saved if number == 1 else None,
                                routing_key=inp.routing_key, tools_requested=inp.tool_names,
-                               tool_schemas=inp.tool_schemas)
+                               tool_schemas=inp.tool_schemas, metadata=inp.metadata)
 
         outcome = await run_attempts(rt, make, on_start=current.append)
     except asyncio.CancelledError:
@@ -185,13 +185,27 @@ def _log_setup_failure(exc: Exception) -> None:
 
 
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
-    """retool's reward: the boxed answer of the model's own final text against `sample.label`,
-    nudged towards using tools. Tool output never counts: a program that prints an answer
-    earns the no-answer reward."""
+    """retool's reward, plus the per-turn rewards an environment or a tool recorded.
+
+    The answer's score: the boxed answer of the model's own final text against `sample.label`,
+    nudged towards using tools (tool output never counts: a program that prints an answer earns
+    the no-answer reward). Per-turn rewards (`metadata["fsm"]["turn_rewards"]`, each with its
+    turn's token span) are summed into `turn_reward`. `score` is then:
+    - with an environment (`engine_environment`): `turn_reward` alone, as the environment judges
+      the episode, and a conversation has no boxed answer to check;
+    - without one: the answer's score plus `turn_reward` (tools' rewards shape it; 0 when none).
+    A trainer that wants the rewards per token reads the spans itself.
+    """
     fsm = engine_metadata(sample)
     tool_calls = (fsm.get("tool_stats") or {}).get("calls", 0)
     text = fsm["final_text"] if isinstance(fsm.get("final_text"), str) else _own_text(sample, fsm)
-    return retool_score(text, getattr(sample, "label", None), int(tool_calls) if isinstance(tool_calls, int) else 0)
+    result = retool_score(text, getattr(sample, "label", None), int(tool_calls) if isinstance(tool_calls, int) else 0)
+    rewards = fsm.get("turn_rewards") or []
+    turn_reward = sum(float(t["reward"]) for t in rewards if isinstance(t, dict) and isinstance(t.get("reward"), (int, float)))
+    result["answer_score"] = result["score"]
+    result["turn_reward"] = turn_reward
+    result["score"] = turn_reward if fsm.get("environment") else result["score"] + turn_reward
+    return result
 
 
 def _own_text(sample: Any, fsm: dict[str, Any]) -> str:

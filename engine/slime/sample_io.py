@@ -20,8 +20,8 @@ from engine.sglang.wire import top_p_asked
 
 FSM = "fsm"  # the one key of sample.metadata that the engine writes
 # Reasons whose sample slime must not train on (`remove_sample`): no token of it fits the budget,
-# or a tool it needed could not work (not the model's doing).
-NOT_TRAINED = frozenset({"prompt_over_budget", "tool_unavailable"})
+# or a tool or the environment it needed could not work (not the model's doing).
+NOT_TRAINED = frozenset({"prompt_over_budget", "tool_unavailable", "environment_failed"})
 BAD_INPUT = "bad_sample_input"  # the sample, its sampling params or its tools cannot be read
 SETUP_FAILED = "engine_setup_failed"  # settings or tokenizer unusable
 ADAPTER_CRASHED = "crashed"  # a bug outside the machine; the sample still comes back
@@ -40,6 +40,7 @@ class SampleInput:
     tool_names: frozenset[str] | None  # None: the sample names no tools
     tool_schemas: dict[str, dict[str, Any]] | None  # the sample's own schemas, by name
     routing_key: str | None
+    metadata: dict[str, Any] | None = None  # the sample's own metadata, for an environment's episode
 
 
 def read_input(sample: Any, sampling_params: Any) -> SampleInput:
@@ -53,8 +54,9 @@ def read_input(sample: Any, sampling_params: Any) -> SampleInput:
     metadata = getattr(sample, "metadata", None)
     names, schemas = read_tools(metadata.get("tools") if isinstance(metadata, dict) else None)
     session = getattr(sample, "session_id", None)
+    own = {k: v for k, v in metadata.items() if k != FSM} if isinstance(metadata, dict) else None
     return SampleInput(prompt, read_sampling_params(sampling_params), names, schemas,
-                       str(session) if session is not None else None)
+                       str(session) if session is not None else None, own)
 
 
 def read_sampling_params(params: Any) -> dict[str, Any]:
@@ -292,6 +294,12 @@ def write_unrolled(sample: Any, reason: str, error: str, cfg: Any = None, sampli
         metadata[FSM] = {"termination_reason": reason, "engine_error": error, "trace": [], "final_text": ""}
 
 
+def turn_rewards(turn_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns an environment or a tool scored: `{"turn", "span", "reward"}`, `span` the
+    turn's `[start, end)` in the response tokens."""
+    return [{"turn": t["turn"], "span": t.get("span"), "reward": t["reward"]} for t in turn_log if t.get("reward") is not None]
+
+
 def rollout_metadata(r: Rollout) -> dict[str, Any]:
     """What the trace tools read back: the path, why it ended, per-turn and per-tool records."""
     record = r.record
@@ -312,11 +320,20 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
     meta["policy_versions"] = len({s.weight_version for s in segments if s.kind == "model"})
     meta["attempt"] = r.attempt
     meta["final_text"] = r.final_text
+    rewards = turn_rewards(record.turn_log)
+    if rewards:
+        meta["turn_rewards"] = rewards
+    env = r.inputs.environment
+    if env is not None:
+        meta["environment"] = {"name": getattr(env, "name", type(env).__name__), "reason": record.env_reason}
     if r.traj.experts is not None:
         meta["routed_experts_rows"] = r.traj.routed_rows  # from the server; the rest are padding
     if r.resume_rejected:
         meta["checkpoint_rejected"] = r.resume_rejected
-    if r.cfg.partial_rollout and r.state == State.ABORTED and record.reason != Trigger.INVARIANT_VIOLATED:
+    # An environment's episode lives in its own memory, which no checkpoint holds: such a sample
+    # re-queued starts again from its prompt.
+    if (r.cfg.partial_rollout and r.state == State.ABORTED and record.reason != Trigger.INVARIANT_VIOLATED
+            and r.inputs.environment is None):
         meta["checkpoint"] = checkpoint.make_checkpoint(r, frozenset(get_machine().spec.tool_states))
     if record.error:
         meta["engine_error"] = record.error

@@ -51,10 +51,15 @@ class ToolUnavailable(Exception):
 
 @attrs.frozen
 class ToolResult:
-    """What a tool call produced. `error` names the error kind, None on success."""
+    """What a tool call produced. `error` names the error kind, None on success.
+
+    `reward`: the tool's score of the turn that called it (a game move, a SQL answer); kept with
+    that model turn in `metadata["fsm"]["turns"]`, summed over the turn's calls.
+    """
 
     text: str
     error: str | None = None
+    reward: float | None = None
 
 
 class Tool:

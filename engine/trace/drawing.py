@@ -41,10 +41,10 @@ class _Line:
 def _describe(states: Sequence[str], spec: MachineSpec) -> str:
     """Name a set of source states briefly: a short list, or "every state but ..."."""
     rest = [s for s in spec.states if s not in states]
-    if len(states) <= 3:
-        return ", ".join(states)
-    if set(rest) == TERMINALS:
+    if set(rest) == TERMINALS and len(states) > 3:
         return "every non-terminal state"
+    if len(states) <= max(3, len(rest)):  # whichever list is shorter
+        return ", ".join(states)
     return "every state but " + ", ".join(rest) if rest else "every state"
 
 

@@ -106,10 +106,20 @@ def format_turns(sample: dict[str, Any], decode: Decode) -> str:
             for name, arguments in parse_calls(profile, part.text):
                 shown = json.dumps(arguments, ensure_ascii=False) if not isinstance(arguments, str) else arguments
                 lines.append(f"  -> call {name}: {shown}")
+            record = log[turn - 1] if 0 < turn <= len(log) and isinstance(log[turn - 1], dict) else {}
+            if record.get("reward") is not None:
+                lines.append(f"  reward {record['reward']:g} (this turn, by {'its tools' if record.get('tools') else 'the environment'})")
         else:
-            record = log[turn - 1] if 0 < turn <= len(log) else {}
+            record = log[turn - 1] if 0 < turn <= len(log) and isinstance(log[turn - 1], dict) else {}
+            if record.get("user_tokens"):
+                lines.append(f"  <- user ({part.tokens} tokens, the environment's reply):")
+                lines += _block(part.text, "    ")
+                continue
             names = [n or "?" for n in record.get("tools") or []]
             source = f"answer to {', '.join(names)}" if names else "note (no call ran)"
             lines.append(f"  <- observation ({part.tokens} tokens, {source}):")
             lines += _block(part.text, "    ")
+    env = meta.get("environment")
+    if isinstance(env, dict) and meta.get("termination_reason") == "environment_done":
+        lines.append(f"episode ended by the environment {env.get('name')}: {env.get('reason') or '(no reason given)'}")
     return "\n".join(lines) if lines else "(the response is empty)"

@@ -13,7 +13,7 @@ import pytest
 import respx
 from transitions import MachineError
 
-from engine import tools
+from engine import envs, tools
 from engine.config import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
 from engine.loop.runtime import Runtime
@@ -308,6 +308,8 @@ def script_through(state: str) -> tuple[list, dict[str, Any]]:
         return [turn(tool_call_turn(spec.tool_states[state])), turn(ANSWER)], {"tools": tuple(tools.names())}
     if state == "TRIM":
         return [turn("many words " * 20)], {"max_context_len": prompt_len() + 5}
+    if state == "ENVIRONMENT":
+        return [turn("Hello."), turn("Hello again.")], {"environment": "echo_test"}
     return [turn(CODE), turn(ANSWER)], {}
 
 
@@ -351,7 +353,7 @@ def test_bad_prompt_is_a_recorded_crash_not_an_exception():
     assert "AttributeError" in r.record.error
 
 
-AWAITING = ["GENERATE", *get_machine().spec.tool_states]
+AWAITING = ["GENERATE", "ENVIRONMENT", *get_machine().spec.tool_states]
 
 
 @pytest.mark.parametrize("state", AWAITING)
@@ -369,9 +371,20 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
             await never.wait()
             return ""
 
+    class HangingEnvironment(envs.Environment):
+        name = "hanging_test"
+
+        async def respond(self, episode: Any, text: str) -> envs.Reply:
+            await never.wait()
+            return envs.Reply("")
+
     spec = get_machine().spec
     originals = {}
-    if state in spec.tool_states:
+    environment = None
+    if state == "ENVIRONMENT":
+        envs.register_environment(HangingEnvironment(), replace=True)
+        environment, script = "hanging_test", [turn("Hello.")]
+    elif state in spec.tool_states:
         name = spec.tool_states[state]
         originals[name] = tools.get(name)
         hanging = HangingTool()
@@ -384,7 +397,7 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
     async def go() -> Rollout:
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=ScriptedServer(script))
-            rt = Runtime.create(cfg(tools=tuple(tools.names())), tokenizer=tok())
+            rt = Runtime.create(cfg(tools=tuple(tools.names()), environment=environment), tokenizer=tok())
             r = new_rollout(rt, PROMPT, SAMPLING)
             task = asyncio.create_task(drive(rt, r))
             while r.state != state and not task.done():
@@ -401,12 +414,14 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
     finally:
         for name, tool in originals.items():
             tools.register(tool, replace=True)
+        envs.unregister_environment("hanging_test")
     assert path(r)[-1] == (state, "cancelled", "ABORTED")
     assert r.record.reason == "cancelled"
     r.traj.check(full=True)
     # a cancelled sample is handed back too: its text is made from its ids like any other's
     assert r.text == tok().decode(r.traj.response_ids.tolist())
-    assert (r.traj.response_length > 0) == (state != "GENERATE") and (state == "GENERATE" or "<tool_call>" in r.text)
+    assert (r.traj.response_length > 0) == (state != "GENERATE")
+    assert state in ("GENERATE", "ENVIRONMENT") or "<tool_call>" in r.text
 
 
 def corrupting_machine(target: str) -> RolloutMachine:

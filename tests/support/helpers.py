@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from engine import tools
+from engine import envs, tools
 from engine.profiles.tokenizer import load_tokenizer
 
 URL = "http://sglang.test:30000"
@@ -136,3 +136,19 @@ class FakeInterpreter(tools.Tool):
     async def execute(self, state: Any, **arguments: Any) -> str:
         self.codes.append(arguments["code"])
         return self.output(arguments["code"])
+
+
+class EchoEnvironment(envs.Environment):
+    """An environment for edge tests: repeats the turn back once, then ends the episode."""
+
+    name = "echo_test"
+
+    async def start(self, prompt: Any, metadata: Any) -> list[str]:
+        return []
+
+    async def respond(self, episode: list[str], text: str) -> envs.Reply:
+        episode.append(text)
+        return envs.Reply(done=True, reason="heard twice") if len(episode) > 1 else envs.Reply("You said: " + text)
+
+
+envs.register_environment(EchoEnvironment(), replace=True)

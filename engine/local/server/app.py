@@ -193,6 +193,48 @@ async def models(request: web.Request) -> web.Response:
     }]})
 
 
+async def chat_completions(request: web.Request) -> web.Response:
+    """POST /v1/chat/completions (non-streaming): the messages rendered with the served tokenizer's
+    chat template, then generated (or replayed) like a `/generate` text request; OpenAI's reply shape.
+
+    Enough of OpenAI's API for a second model (a simulated user) to be served by this server.
+    """
+    state = request.app[STATE]
+    try:
+        body = await _read_json(request)
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RequestError.message("messages must be a non-empty list of objects.")
+        text = state.backend.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        params: dict[str, Any] = {"skip_special_tokens": True}
+        for theirs, ours in (("temperature", "temperature"), ("top_p", "top_p"), ("max_tokens", "max_new_tokens"),
+                             ("max_completion_tokens", "max_new_tokens"), ("stop", "stop"), ("seed", "sampling_seed")):
+            if body.get(theirs) is not None:
+                params[ours] = body[theirs]
+        specs, _ = parse_generate({"text": text, "sampling_params": params}, state.backend, state.settings.context_length)
+        future = state.scheduler.submit(specs[0])
+    except RequestError as exc:
+        return _error(exc)
+    except Exception as exc:  # a template that cannot render these messages
+        return _error(RequestError.message(f"cannot render the messages: {exc}"))
+    state.generate_requests += 1
+    try:
+        result = await future
+    except asyncio.CancelledError:
+        state.scheduler.abort(specs[0].rid, exact=True)
+        raise
+    out = build_response(specs[0], result, weight_version=state.weight_version, e2e_latency=0.0)
+    meta = out["meta_info"]
+    finish = (meta.get("finish_reason") or {}).get("type")
+    return _json({
+        "id": meta.get("id"), "object": "chat.completion", "created": int(time.time()), "model": state.backend.served_model_name,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                     "finish_reason": "length" if finish == "length" else "abort" if finish == "abort" else "stop"}],
+        "usage": {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens"),
+                  "total_tokens": (meta.get("prompt_tokens") or 0) + (meta.get("completion_tokens") or 0)},
+    })
+
+
 async def pause_generation(request: web.Request) -> web.Response:
     """POST /pause_generation {"mode": "abort"|...}: new requests wait until continue_generation.
 
@@ -273,6 +315,7 @@ def build_app(settings: ServerSettings) -> web.Application:
     for method in ("POST", "PUT"):
         app.router.add_route(method, "/generate", generate)
     app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     for path, handler in (("/health", health), ("/health_generate", health), ("/model_info", model_info),
                           ("/get_model_info", model_info), ("/server_info", server_info),
                           ("/get_server_info", server_info), ("/v1/loads", loads), ("/v1/models", models)):

@@ -1,0 +1,41 @@
+"""An MCP server over stdio written by hand (JSON-RPC lines), for what the SDK's own server refuses
+to send: it lists `ok_echo` (a valid tool) beside `bad_properties` and `bad_type`, whose input
+schemas are not JSON object schemas."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+TOOLS = [
+    {"name": "ok_echo", "description": "Echo a text.",
+     "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}},
+    {"name": "bad_properties", "description": "Properties that are not schemas.",
+     "inputSchema": {"type": "object", "properties": {"x": "string"}}},
+    {"name": "bad_type", "description": "Not an object schema.", "inputSchema": {"type": "array"}},
+]
+
+
+def answer(request: dict) -> dict | None:
+    method, params = request.get("method"), request.get("params") or {}
+    if "id" not in request:
+        return None  # a notification
+    if method == "initialize":
+        result = {"protocolVersion": params.get("protocolVersion", "2025-06-18"), "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "raw", "version": "1"}}
+    elif method == "tools/list":
+        result = {"tools": TOOLS}
+    elif method == "tools/call":
+        result = {"content": [{"type": "text", "text": "echo: " + str(params.get("arguments", {}).get("text"))}],
+                  "isError": False}
+    else:
+        return {"jsonrpc": "2.0", "id": request["id"], "error": {"code": -32601, "message": f"no method {method}"}}
+    return {"jsonrpc": "2.0", "id": request["id"], "result": result}
+
+
+for line in sys.stdin:
+    if line.strip():
+        reply = answer(json.loads(line))
+        if reply is not None:
+            sys.stdout.write(json.dumps(reply) + "\n")
+            sys.stdout.flush()

@@ -1,0 +1,210 @@
+"""Tools served by real MCP servers (written with the SDK, started by the tests): listed at start,
+offered with their schemas, called by the model, restarted after dying or hanging mid-call, ended
+with the run; over stdio and over streamable HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import respx
+
+pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'fsm-rollout-engine[mcp]')")
+
+from engine import slime, tools  # noqa: E402
+from engine.config import EngineConfig, RetryPolicy  # noqa: E402
+from engine.loop.driver import drive, new_rollout  # noqa: E402
+from engine.loop.runtime import Runtime  # noqa: E402
+from engine.local.sample import Sample  # noqa: E402
+from engine.machine.rollout import Rollout  # noqa: E402
+from engine.tools import mcp_servers  # noqa: E402
+from tests.conftest import run  # noqa: E402
+from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, tok, turn  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+SERVER = f"{sys.executable} {SUPPORT / 'mcp_server.py'}"
+RAW_SERVER = f"{sys.executable} {SUPPORT / 'raw_mcp_server.py'}"
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture(autouse=True)
+def forget_servers() -> Iterator[None]:
+    """MCP tools are process-wide registrations: each test's are undone after it."""
+    yield
+    mcp_servers.unregister_servers()
+
+
+def call(name: str, **arguments: Any) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def rollout(script: list, servers: tuple[str, ...], *, during: Any = None, **kw: Any) -> tuple[Rollout, ScriptedServer]:
+    server = ScriptedServer(script)
+    cfg = EngineConfig(server_url=URL, profile="chat", max_context_len=8192, retry=RetryPolicy(max_attempts=1),
+                       mcp_servers=servers, **kw)
+
+    async def go() -> Rollout:
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=server)
+            rt = Runtime.create(cfg, tokenizer=tok())
+            r = new_rollout(rt, MESSAGES, SAMPLING)
+            try:
+                task = asyncio.ensure_future(drive(rt, r))
+                if during is not None:
+                    await during(r)
+                await task
+            finally:
+                await rt.aclose()
+            return r
+
+    r = run(go())
+    r.traj.check(full=True, max_total_length=r.token_budget)
+    return r, server
+
+
+def observations(r: Rollout) -> list[str]:
+    ids = r.traj.response_ids.tolist()
+    return [tok().decode(ids[s.start:s.end]) for s in r.traj.segments if s.kind == "observation"]
+
+
+def test_the_model_calls_a_stdio_servers_tool_offered_with_its_schema():
+    r, server = rollout([turn(call("add", a=2, b=3)), turn("It is 5.")], (SERVER,), tools=("add",))
+    assert (r.state, r.record.reason) == ("COMPLETED", "answered")
+    assert ("TOOL_CALL", "dispatch", "TOOL_ADD") in [tuple(e) for e in r.record.trace]
+    assert "<tool_response>\n5\n</tool_response>" in observations(r)[0]
+    prompt = tok().decode(server.requests[0]["input_ids"])
+    assert '"name": "add"' in prompt and '"description": "Add two integers."' in prompt and '"a": {' in prompt
+    assert isinstance(tools.get("add"), mcp_servers.McpTool)
+
+
+def test_a_server_killed_mid_call_answers_with_an_error_and_is_restarted_for_the_next_call(tmp_path):
+    pidfile = tmp_path / "pid"
+    spec = f"{SERVER} --pidfile {pidfile}"
+    killed: list[int] = []
+
+    async def kill_mid_call(r: Rollout) -> None:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        pid = int(pidfile.read_text())
+        pidfile.unlink()
+        os.kill(pid, signal.SIGKILL)  # the server dies while the call waits for it
+        killed.append(pid)
+
+    script = [turn(call("slow_echo", text="hi", seconds=60)), turn(call("slow_echo", text="again", seconds=0)), turn("Done.")]
+    r, _ = rollout(script, (spec,), during=kill_mid_call, tools=("slow_echo",), tool_timeout=30)
+    assert r.state == "COMPLETED"
+    first, second = observations(r)
+    assert "Error: slow_echo: MCP server" in first and "failed" in first
+    assert "echo: again" in second  # a new server answered the next call
+    assert r.record.tools.errors == {"server_error": 1}
+    restarted = int(pidfile.read_text())
+    assert restarted != killed[0]
+    deadline = time.monotonic() + 10
+    while alive(restarted) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(restarted)  # ended with the run
+
+
+def test_a_hung_server_times_out_and_is_restarted(tmp_path):
+    pidfile = tmp_path / "pid"
+    spec = f"{SERVER} --pidfile {pidfile}"
+    script = [turn(call("slow_echo", text="hi", seconds=60)), turn(call("add", a=1, b=1)), turn("Done.")]
+    r, _ = rollout(script, (spec,), tools=("slow_echo", "add"), tool_timeout=5)
+    first, second = observations(r)
+    assert "Error: slow_echo timed out after 5 seconds" in first and "2" in second
+    assert r.record.tools.errors == {"timeout": 1}
+    assert not alive(int(pidfile.read_text()))  # the hung server was ended
+
+
+def test_an_invalid_schema_or_name_skips_that_tool_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.tools.mcp_servers"):
+        names = mcp_servers.register_servers((RAW_SERVER, SERVER), 30)
+    assert names == ["ok_echo", "add", "slow_echo"]
+    warnings = [rec.getMessage() for rec in caplog.records]
+    assert len(warnings) == 3
+    assert any("'bad_properties' skipped: its input schema's properties are not a mapping of schemas" in w for w in warnings)
+    assert any("'bad_type' skipped: its input schema has type 'array', not 'object'" in w for w in warnings)
+    assert any("'Not-A-State' skipped" in w for w in warnings)
+    # the good tool of that server still works, through the SDK
+    r, _ = rollout([turn(call("ok_echo", text="hey")), turn("ok")], (RAW_SERVER,), tools=("ok_echo",))
+    assert "echo: hey" in observations(r)[0]
+
+
+def test_a_name_clash_is_one_error_naming_both():
+    with pytest.raises(ValueError, match=r"tool name clash: MCP server '.*--prefix x_.*' lists 'x_add', which MCP server '.*--prefix x_'"):
+        mcp_servers.register_servers((f"{SERVER} --prefix x_", f"{SERVER} --prefix x_ --pidfile /dev/null"), 30)
+
+    @tools.tool(name="y_add")
+    async def y_add(a: int) -> str:
+        """A Python tool."""
+        return str(a)
+
+    try:
+        with pytest.raises(ValueError, match=r"lists 'y_add', which the tool tests\.tools\.test_mcp_servers\.test_a_name_clash_is_one_error_naming_both\.<locals>\.y_add already has"):
+            mcp_servers.register_servers((f"{SERVER} --prefix y_",), 30)
+    finally:
+        tools.registry.unregister("y_add")
+
+
+def test_a_server_that_cannot_start_is_a_setup_error_for_every_sample():
+    sample = Sample(prompt=MESSAGES)
+    args = make_args(engine_profile="chat", engine_mcp_servers=["/nonexistent/mcp-server --stdio"])
+    run(slime.generate(args, sample, dict(SAMPLING)))
+    fsm = sample.metadata["fsm"]
+    assert fsm["termination_reason"] == "engine_setup_failed"
+    assert "MCP server '/nonexistent/mcp-server --stdio' cannot be reached" in fsm["engine_error"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def http_server() -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(SUPPORT / "mcp_server.py"), "--http", str(port), "--prefix", "h_"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if proc.poll() is not None:
+                pytest.fail("the HTTP MCP server exited at start")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_model_calls_a_tool_of_a_streamable_http_server(http_server):
+    r, _ = rollout([turn(call("h_add", a=20, b=22)), turn("It is 42.")], (http_server,), tools=("h_add",))
+    assert r.state == "COMPLETED"
+    assert "<tool_response>\n42\n</tool_response>" in observations(r)[0]
+    assert ("TOOL_CALL", "dispatch", "TOOL_H_ADD") in [tuple(e) for e in r.record.trace]
