@@ -147,14 +147,17 @@ class Setting:
         raise SettingsError(f"{self.key} must be {self.allowed()}, got {value!r}")
 
     def convert(self, value: Any) -> Any:
-        """`value` as the setting's kind (None and, with a None default, empty: the default); range not checked."""
+        """`value` as the setting's kind (None and, with a None default, empty text: the default); range not checked.
+
+        An empty list stays empty: `engine_tools: []` offers no tool (an environment-only episode).
+        """
         if value is None:
             return self.default
         try:
             converted = _CONVERT[self.kind](value)
         except (TypeError, ValueError):
             self.refuse(value)
-        if self.default is None and (converted == "" or converted == ()):
+        if self.default is None and converted == "":
             return None
         return converted
 

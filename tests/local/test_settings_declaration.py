@@ -61,8 +61,8 @@ def test_every_engine_row_is_read_by_a_field_and_every_field_by_its_rows() -> No
 def test_a_direct_config_is_checked_and_converted_by_the_same_rows() -> None:
     with pytest.raises(SettingsError, match=r"^engine_max_turns must be a whole number from 1 to 100000, got 0$"):
         EngineConfig(max_turns=0)
-    with pytest.raises(SettingsError, match=r"^engine_profile must be one of retool, chat, got 'xml'$"):
-        EngineConfig(profile="xml")
+    with pytest.raises(SettingsError, match=r"^engine_abort_status must be one of retry, aborted, got 'xml'$"):
+        EngineConfig(abort_status="xml")
     cfg = EngineConfig(tools=["code_interpreter"], tool_timeout=30, max_turns=None)
     assert cfg.tools == ("code_interpreter",) and isinstance(cfg.tool_timeout, float) and cfg.max_turns == 16
     assert EngineConfig(tool_concurrency=10_000).tool_concurrency == 10_000  # a capped row: usable above its cap
@@ -174,3 +174,10 @@ def test_any_object_with_the_keys_as_attributes_is_read_and_followed() -> None:
     ns.engine_max_turns = True  # same value as 1, another type: read again, and refused
     with pytest.raises(SettingsError, match="got True"):
         EngineConfig.from_args(ns)
+
+
+def test_an_empty_tool_list_offers_no_tool_while_unset_offers_every_tool() -> None:
+    # An environment-only episode offers no tool: an empty list must not read as "unset" (every tool).
+    assert EngineConfig(tools=()).tools == ()
+    assert EngineConfig.from_args(argparse.Namespace(engine_tools=[])).tools == ()
+    assert EngineConfig.from_args(argparse.Namespace()).tools is None
