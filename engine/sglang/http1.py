@@ -392,6 +392,7 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
                 raise httpx.LocalProtocolError(f"header {name!r} holds a line break", request=request)
             lines += (name, b": ", value, b"\r\n")
         prefix = b"".join(lines)
+        del lines  # its pieces are in `prefix`: nothing of them is held while the reply is awaited
         stream = request.stream
         if isinstance(stream, BodyStream):
             source = stream.source
