@@ -23,8 +23,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
-
 from engine.envs import base as envs
 
 STOP = "###STOP###"
@@ -55,7 +53,7 @@ class UserSimulator(envs.Environment):
                  max_tokens: int = 256, timeout: float = 120.0) -> None:
         self.url, self.api, self.model = url, api, model
         self.temperature, self.max_tokens, self.timeout = temperature, max_tokens, timeout
-        self._http: httpx.AsyncClient | None = None
+        self._http: Any = None  # an httpx.AsyncClient, opened at the first request
 
     def setup(self, settings: Any) -> UserSimulator:
         """A simulator configured by the engine's settings (`engine_user_sim_*`)."""
@@ -92,6 +90,8 @@ class UserSimulator(envs.Environment):
             self._http = None
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        import httpx  # here, not at import: a sandbox host imports the engine without its client
+
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self.timeout, trust_env=False)
         try:
