@@ -20,11 +20,13 @@ pure table), `engine.loop` (the async side), `engine.sglang` (the client of SGLa
 is internal and may change.
 """
 
-from typing import TYPE_CHECKING as _TYPE_CHECKING
-from typing import Any as _Any
+import importlib
+import importlib.util
+import typing
 
-# The face is loaded on first use (PEP 562): `engine.tools`, which a sandbox host or a tool
-# author's module imports, must not pull in the engine's client, the machine and their dependencies.
+# Each name of the face and the module it lives in, imported on first use: `import engine.tools`
+# (the tool author's package, which the sandbox's own processes import) then loads nothing more
+# of the engine, and `import engine` stays cheap.
 _FACE = {
     "EngineConfig": "engine.config",
     "RetryPolicy": "engine.config",
@@ -38,39 +40,26 @@ _FACE = {
     "log_rollout": "engine.slime",
     "reward_func": "engine.slime",
 }
+__all__ = sorted(_FACE)
 
-if _TYPE_CHECKING:
-    from engine.config import EngineConfig, RetryPolicy
-    from engine.loop.runtime import Runtime
-    from engine.profiles import Profile, register_profile
-    from engine.rollouts import roll_out, roll_out_all, sampling_params
-    from engine.slime import generate, log_rollout, reward_func
+if typing.TYPE_CHECKING:
+    from engine.config import EngineConfig, RetryPolicy  # noqa: F401
+    from engine.loop.runtime import Runtime  # noqa: F401
+    from engine.profiles import Profile, register_profile  # noqa: F401
+    from engine.rollouts import roll_out, roll_out_all, sampling_params  # noqa: F401
+    from engine.slime import generate, log_rollout, reward_func  # noqa: F401
 
 
-def __getattr__(name: str) -> _Any:
+def __getattr__(name: str) -> typing.Any:
     module = _FACE.get(name)
-    if module is None:
+    if module is None:  # `engine.tools` and the other packages, as attributes, imported on first use
+        if not name.startswith("_") and importlib.util.find_spec(f"engine.{name}") is not None:
+            return importlib.import_module(f"engine.{name}")
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    globals()[name] = value  # once: later lookups are plain attribute reads
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_FACE))
-
-__all__ = [
-    "EngineConfig",
-    "Profile",
-    "RetryPolicy",
-    "Runtime",
-    "generate",
-    "log_rollout",
-    "register_profile",
-    "reward_func",
-    "roll_out",
-    "roll_out_all",
-    "sampling_params",
-]
+    return sorted(set(globals()) | set(__all__))
