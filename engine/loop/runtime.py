@@ -14,15 +14,16 @@ from typing import Any
 
 import attrs
 
-from engine import envs, tools
+from engine import tools
 from engine.aio import Gate
-from engine.tools import mcp_servers
 from engine.config import EngineConfig
 from engine.loop.abort import AbortSignal
+from engine.loop.environment import set_up_environment
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
 from engine.sglang.client import SGLangClient, make_http_client
+from engine.tools import mcp_servers
 
 START_GATE = 32  # samples beginning their set-up per event-loop turn when many start at once
 PROMPT_CACHE = 4096
@@ -48,6 +49,10 @@ class Runtime:
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.environment is None:  # the one `engine_environment` names, set up for this runtime
+            self.environment = set_up_environment(self.cfg, self.profile)
 
     def in_flight(self) -> InFlight:
         """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.
@@ -126,9 +131,7 @@ class Runtime:
         http = http if http is not None else make_http_client(cfg)
         client = SGLangClient(cfg.server_url, http, cfg.retry, request_timeout=cfg.request_timeout,
                               vocab_size=vocabulary_size(tok))
-        profile = make_profile(cfg.profile, tok)
-        environment = set_up_environment(cfg, profile)
-        return cls(cfg, tok, profile, client, ToolRunner(cfg), abort_check=abort_check, environment=environment)
+        return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg), abort_check=abort_check)
 
     def tool_schemas(
         self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None
@@ -158,24 +161,6 @@ class Runtime:
                 await mcp_servers.close_connections()  # the servers this loop started end with the run
         finally:
             await self.client.http.aclose()
-
-
-def set_up_environment(cfg: EngineConfig, profile: Profile) -> Any:
-    """The environment `engine_environment` names, set up for one runtime; None when none is chosen.
-
-    Raises ValueError naming the registered ones for an unknown name, and for a profile that
-    cannot render a user turn.
-    """
-    if cfg.environment is None:
-        return None
-    env = envs.get_environment(cfg.environment)
-    if env is None:
-        known = ", ".join(envs.environment_names()) or "none"
-        raise ValueError(f"unknown environment {cfg.environment!r} (engine_environment): registered are {known}; "
-                         "name the module that registers it in engine_tool_modules")
-    if not callable(getattr(profile, "user_turn_ids", None)):
-        raise ValueError(f"the {profile.name} profile cannot append an environment's reply as a user turn")
-    return env.setup(cfg)
 
 
 def vocabulary_size(tokenizer: Any) -> int | None:
