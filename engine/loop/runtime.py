@@ -13,15 +13,16 @@ from typing import Any
 
 import attrs
 
-from engine import envs, tools
+from engine import tools
 from engine.aio import Gate
-from engine.tools import mcp_servers
 from engine.config import EngineConfig
 from engine.loop.abort import AbortSignal
+from engine.loop.environment import set_up_environment
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
 from engine.sglang.client import SGLangClient, make_http_client
+from engine.tools import mcp_servers
 
 START_GATE = 32  # samples beginning their set-up per event-loop turn when many start at once
 PROMPT_CACHE = 4096
@@ -47,6 +48,10 @@ class Runtime:
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.environment is None:  # the one `engine_environment` names, set up for this runtime
+            self.environment = set_up_environment(self.cfg, self.profile)
 
     def in_flight(self) -> InFlight:
         """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.
@@ -129,9 +134,7 @@ class Runtime:
         http = http if http is not None else make_http_client(cfg)
         client = SGLangClient(cfg.server_url, http, cfg.retry, request_timeout=cfg.request_timeout,
                               vocab_size=vocabulary_size(tok))
-        profile = make_profile(cfg.profile, tok)
-        environment = set_up_environment(cfg, profile)
-        return cls(cfg, tok, profile, client, ToolRunner(cfg), abort_check=abort_check, environment=environment)
+        return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg), abort_check=abort_check)
 
     def tool_schemas(
         self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None

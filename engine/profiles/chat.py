@@ -26,6 +26,7 @@ from engine.profiles.tokenizer import Codec
 
 log = logging.getLogger(__name__)
 _SENTINEL = "@@assistant-turn-sentinel@@"
+_USER_SLOT = "@@user-turn-slot@@"
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -69,15 +70,6 @@ class ChatProfile:
     def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
         """The template's tokens between this turn and the next assistant turn."""
         contents = [r.text for r in results] or ["Error: the turn had no usable tool call"]
-        return self._glue_ids(contents, self.tool_delta, last_token)
-
-    def user_turn_ids(self, text: str, last_token: int | None = None) -> list[int]:
-        """An environment's reply as the next user turn: the template's tokens from the end of
-        this assistant turn to the start of the next, around one user message (mask 0)."""
-        return self._glue_ids([text], self.user_delta, last_token)
-
-    def _glue_ids(self, contents: list[str], delta_of: Any, last_token: int | None) -> list[int]:
-        """The ids of `delta_of(contents)`, closing the turn first when it ended on a stop string."""
         # The template's glue keeps its special tokens; what the tools printed is plain text
         # (a printed <|im_end|> must not close the turn): each special-token string inside a
         # tool's text is stood in for by a placeholder the template leaves alone.
@@ -90,7 +82,7 @@ class ChatProfile:
 
         specials = self.codec.special_pattern
         held = [specials.sub(hold, c) for c in contents] if specials is not None else contents
-        delta = delta_of(held)
+        delta = self.tool_delta(held)
         closed = last_token is None or last_token == self.eos_id
         text = delta if closed else self.eos + delta
         if not found:
@@ -103,21 +95,30 @@ class ChatProfile:
 
     def tool_delta(self, contents: list[str]) -> str:
         """Text the template puts after an assistant turn's end token for these tool messages."""
-        return self._delta("tool", contents)
-
-    def user_delta(self, contents: list[str]) -> str:
-        """Text the template puts after an assistant turn's end token for these user messages."""
-        return self._delta("user", contents)
-
-    def _delta(self, role: str, contents: list[str]) -> str:
         messages = [
             {"role": "user", "content": "?"},
             {"role": "assistant", "content": _SENTINEL},
-            *({"role": role, "content": c} for c in contents),
+            *({"role": "tool", "content": c} for c in contents),
         ]
         full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         end = full.index(_SENTINEL + self.eos) + len(_SENTINEL) + len(self.eos)
         return full[end:]
+
+    def user_turn_ids(self, text: str, last_token: int | None = None) -> list[int]:
+        """An environment's reply as the next user turn (mask 0): the template's tokens from the end
+        of this assistant turn to the start of the next, around one user message. The reply is
+        plain text (a special token in it stays text); the template's markup keeps its specials."""
+        messages = [
+            {"role": "user", "content": "?"},
+            {"role": "assistant", "content": _SENTINEL},
+            {"role": "user", "content": _USER_SLOT},
+        ]
+        full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        before, after = full[full.index(_SENTINEL) + len(_SENTINEL):].split(_USER_SLOT, 1)
+        head = self.encode(before)
+        if head and last_token == head[0]:  # the model closed its turn itself; a stop string did not
+            head = head[1:]
+        return head + self.codec.encode_plain(text) + self.encode(after)
 
     def encode(self, text: str) -> list[int]:
         return self.codec.encode(text)

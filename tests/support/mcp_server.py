@@ -1,8 +1,8 @@
 """A small MCP server written with the SDK, for the tests: `python mcp_server.py [--http PORT] [--pidfile F] [--prefix P]`.
 
 Tools: `add` (sum two integers), `slow_echo` (answers after a while; writes the server's pid
-first, so a test can kill it mid-call), `bad_schema` (lists an input schema that is not an
-object schema: the engine must skip it) and `Not-A-State` (a name that cannot be a state).
+first, so a test can kill it mid-call) and `Not-A-State` (a name that cannot be a state). The
+SDK refuses to list an invalid input schema; `raw_mcp_server.py` lists some.
 `--prefix` renames the tools, so two servers can be told apart.
 """
 
