@@ -95,7 +95,11 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                        "(default: the demo's, in the chosen profile's format)")
     where.add_argument("--tokenizer", metavar="DIR", help="local tokenizer directory [hf_checkpoint] "
                        "(default: the shipped Qwen3 one)")
-    where.add_argument("--profile", choices=["retool", "chat"], help="prompt and turn format [engine_profile] (default: retool)")
+    where.add_argument("--profile", metavar="NAME", help="prompt and turn format: retool, chat, or one registered by a "
+                       "--tool-module [engine_profile] (default: retool)")
+    where.add_argument("--tool-parser", metavar="NAME", help="the chat profile's tool-call format, by SGLang's "
+                       "--tool-call-parser name (hermes, qwen3_coder, glm47, gpt-oss...) [engine_tool_parser] "
+                       "(default: from the chat template, else hermes)")
 
     tools = run.add_argument_group("tools")
     tools.add_argument("--tool-module", metavar="MODULE", action="append", dest="tool_modules",

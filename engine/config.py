@@ -28,7 +28,6 @@ from attrs import validators as v
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
-PROFILES = ("retool", "chat")
 HTTP_TRANSPORTS = ("auto", "asyncio", "httpx", "aiohttp", "aiohttp_direct")  # engine_http_transport; see engine.sglang.client
 _positive = v.gt(0)
 _non_negative = v.ge(0)
@@ -181,7 +180,8 @@ MAX_CONNECTIONS = 16384
 SETTINGS: dict[str, Setting] = {s.key: s for s in (
     # engine_* keys: set in the YAML of --custom-config-path (or `run --config`)
     Setting("engine_server_url", "url", None, "SGLang server or router URL (default: slime's router)"),
-    Setting("engine_profile", str, "retool", "prompt and turn format", choices=PROFILES),
+    Setting("engine_profile", str, "retool", "prompt and turn format: retool, chat, or a registered profile"),
+    Setting("engine_tool_parser", str, None, "the chat profile's tool-call format, by SGLang's --tool-call-parser name (default: from the chat template, else hermes)"),
     Setting("engine_max_turns", int, 16, "model turns per sample", low=1, high=100_000),
     Setting("engine_max_tool_calls", int, 16, "tool calls per sample", low=0, high=1_000_000),
     Setting("engine_max_calls_per_turn", int, 8, "tool calls run per turn (the rest get an error)", low=1, high=10_000),
@@ -306,6 +306,7 @@ class EngineConfig:
 
     server_url: str = DEFAULT_SERVER_URL
     profile: str = "retool"
+    tool_parser: str | None = None  # the chat profile's tool-call format (SGLang parser name)
     max_turns: int = attrs.field(default=16, validator=_positive)
     max_tool_calls: int = attrs.field(default=16, validator=_non_negative)
     max_calls_per_turn: int = attrs.field(default=8, validator=_positive)
@@ -415,6 +416,7 @@ class EngineConfig:
         return cls(
             server_url=url,
             profile=get("engine_profile"),
+            tool_parser=get("engine_tool_parser"),
             max_turns=get("engine_max_turns"),
             max_tool_calls=get("engine_max_tool_calls"),
             max_calls_per_turn=get("engine_max_calls_per_turn"),

@@ -41,6 +41,7 @@ FLAG_KEYS = {
     "server": "engine_server_url",
     "tokenizer": "hf_checkpoint",
     "profile": "engine_profile",
+    "tool_parser": "engine_tool_parser",
     "concurrency": "sglang_server_concurrency",
     "max_context": "rollout_max_context_len",
     "max_response_len": "engine_max_response_len",
@@ -221,8 +222,10 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
         where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
         raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     try:
-        make_profile(cfg.profile, tokenizer)
+        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser)
     except Exception as exc:
+        if cfg.tool_parser is not None and str(exc).startswith("unknown tool parser"):
+            raise UsageError(f"{_origin(ns, 'engine_tool_parser')}: {exc}") from None
         raise UsageError(f"{_origin(ns, 'engine_profile')} {cfg.profile}: {exc}") from None
     return tokenizer
 
@@ -284,8 +287,8 @@ def plan_run(ns: argparse.Namespace) -> Plan:
         except (OSError, ValueError) as exc:
             raise UsageError(f"--replay {replay}: {getattr(exc, 'strerror', None) or exc}") from None
     samples = expand_groups(read_input(in_path, ns.limit), sampling["n_samples_per_prompt"])
+    offered = check_tools(ns, cfg)  # first: a tool module may register the profile or parser named
     tokenizer = check_tokenizer(ns, cfg)
-    offered = check_tools(ns, cfg)
     from engine.loop.preflight import check_tools_sync, describe
 
     problems = check_tools_sync(offered)

@@ -1,4 +1,9 @@
-"""The `chat` profile: the tokenizer's own chat template, Hermes/Qwen3-style `<tool_call>`s.
+"""The `chat` profile: the tokenizer's own chat template; tool calls in the format `engine_tool_parser` names.
+
+Calls are read by the parser of that SGLang name (`engine.profiles.parsers`; default: the one
+the chat template's markup names, else hermes). A call inside `<think>...</think>` is not
+run. A turn without a call is the final answer; one that holds a call in another family's
+format is an answer too, but marked (`Turn.foreign`) so runs count it.
 
 The prompt is `apply_chat_template(messages, tools=..., add_generation_prompt=True)`.
 After a model turn, only the appended delta is tokenized: the template's glue around the
@@ -20,6 +25,8 @@ import re
 import uuid
 from typing import Any
 
+from engine import tools
+from engine.profiles import parsers
 from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.profiles.retool import ANSWER_RE, parse_tool_call_json
 from engine.profiles.tokenizer import Codec
@@ -47,9 +54,11 @@ class ChatProfile:
     withheld_tools = ()  # every registered tool is offered
     renders_sample_schemas = True  # a dataset's own tool schemas (slime's --tool-key) are shown as given
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tool_parser: str | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the chat profile needs a tokenizer with a chat template")
+        self.tool_parser = tool_parser or parsers.default_tool_parser(tokenizer)
+        self.parser = parsers.get_tool_parser(self.tool_parser)  # an unknown name: ValueError listing the known
         self.tokenizer = tokenizer
         self.codec = Codec(tokenizer)
         self.eos = tokenizer.eos_token
@@ -64,7 +73,15 @@ class ChatProfile:
         return self.encode(text)
 
     def parse_turn(self, text: str) -> Turn:
-        return parse_hermes_turn(text)
+        """The turn's calls in the configured format; none: the answer (marked if another format's call is there)."""
+        _, acting = parsers.split_reasoning(text) if self.parser.reasoning else ("", text)
+        schemas = registered_schemas()
+        parsed = self.parser.parse(acting, schemas)
+        if parsed.calls:
+            return Turn("tool", calls=parsed.calls)
+        answer = ANSWER_RE.search(text)
+        foreign = parsers.foreign_format(acting, self.tool_parser, schemas)
+        return Turn("answer", answer=answer.group(1).strip() if answer else None, foreign=foreign)
 
     def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
         """The template's tokens between this turn and the next assistant turn."""
@@ -108,6 +125,24 @@ class ChatProfile:
 
     def decode(self, ids: list[int]) -> str:
         return self.codec.decode(ids)
+
+
+def registered_schemas() -> dict[str, Any]:
+    """Tool name -> the registered tool's `parameters` schema (what parsers type arguments by);
+    rebuilt only when the registry changes."""
+    version = tools.registry.version()
+    if _SCHEMAS[0] != version:
+        found: dict[str, Any] = {}
+        for name in tools.names():
+            try:
+                found[name] = tools.get(name).schema()["function"]["parameters"]  # type: ignore[union-attr]
+            except Exception:  # a tool whose schema() fails: its arguments stay as written
+                found[name] = {}
+        _SCHEMAS[:] = [version, found]
+    return _SCHEMAS[1]
+
+
+_SCHEMAS: list[Any] = [None, {}]
 
 
 def incremental_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns: list[tuple[str, list[str]]]) -> list[int]:
