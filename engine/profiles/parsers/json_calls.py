@@ -28,7 +28,7 @@ class HermesParser:
         calls = [call_from_json_text(b.strip(), "the tool call") for b in bodies[: len(bodies) - open_last]]
         if open_last:
             calls.append(malformed("<tool_call> is not closed by </tool_call>"))
-        return ParsedTurn(content.strip(), tuple(calls))
+        return ParsedTurn((text.split("<tool_call>", 1)[0] if bodies else content).strip(), tuple(calls))
 
 
 class Llama3Parser:

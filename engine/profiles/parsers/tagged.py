@@ -23,7 +23,9 @@ class Qwen3CoderParser:
 
     reasoning = True
     _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
-    _PARAM = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+    # A value ends at its </parameter>, or (the model left that out) where the next parameter or
+    # the function's end begins: unambiguous, and read so by SGLang too.
+    _PARAM = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 
     def __init__(self, name: str = "qwen3_coder") -> None:
         self.name = name
@@ -35,7 +37,7 @@ class Qwen3CoderParser:
             calls += self._calls(body, schemas)
         if open_last:
             calls.append(malformed("<tool_call> is not closed by </tool_call>"))
-        return ParsedTurn(content.strip(), tuple(calls))
+        return ParsedTurn((text.split("<tool_call>", 1)[0] if bodies else content).strip(), tuple(calls))
 
     def _calls(self, body: str, schemas: Schemas) -> list[ToolCall]:
         found = list(self._FUNCTION.finditer(body))
@@ -46,9 +48,8 @@ class Qwen3CoderParser:
         for function in found:
             name, inner = function.group(1), function.group(2)
             params = list(self._PARAM.finditer(inner))
-            rest = self._PARAM.sub("", inner)
-            if not _only_space(rest):
-                calls.append(malformed(f"{name}: every <parameter=NAME> must be closed by </parameter>", name.strip()))
+            if not _only_space(self._PARAM.sub("", inner)):
+                calls.append(malformed(f"{name}: text between the parameters (each is <parameter=NAME>value</parameter>)", name.strip()))
                 continue
             pairs = [(p.group(1), _trim_newline(p.group(2))) for p in params]
             calls.append(typed_call(name, pairs, schemas))
@@ -77,13 +78,15 @@ class GlmParser:
         calls = [self._call(b, schemas) for b in bodies[: len(bodies) - open_last]]
         if open_last:
             calls.append(malformed("<tool_call> is not closed by </tool_call>"))
+        if bodies and self.name != "glm47":  # GLM-4.5's content is what comes before the calls; 4.7's all text around them
+            content = text.split("<tool_call>", 1)[0]
         return ParsedTurn(content.strip(), tuple(calls))
 
     def _call(self, body: str, schemas: Schemas) -> ToolCall:
         at = body.find("<arg_key>")
         name = (body if at < 0 else body[:at]).strip()
         args = "" if at < 0 else body[at:]
-        if not name or "<" in name or "\n" in name:
+        if not re.fullmatch(r"[\w.\-:/]+", name):
             return malformed("a <tool_call> must start with the function name")
         pairs = list(self._PAIR.finditer(args))
         if not _only_space(self._PAIR.sub("", args)):
