@@ -81,9 +81,12 @@ def demo_file(name: str) -> str:
     return str(resources.files("engine.local") / "demo" / name)
 
 
-def demo_replay(profile: str) -> str:
-    """The demo replay written in `profile`'s turn format."""
-    return demo_file("replay-chat.jsonl" if profile == "chat" else "replay.jsonl")
+def demo_replay(profile: str, tool_parser: str | None = None) -> str:
+    """The demo replay written in `profile`'s turn format (chat: in the tool parser's family's, where the demo has it)."""
+    if profile != "chat":
+        return demo_file("replay.jsonl")
+    family = demo_file(f"replay-chat-{tool_parser}.jsonl") if tool_parser else ""
+    return family if family and os.path.isfile(family) else demo_file("replay-chat.jsonl")
 
 
 # -- reading the input ------------------------------------------------------------------------
@@ -279,7 +282,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
         raise UsageError("--replay: only the embedded server replays a script; drop --replay or --server")
     replay = None
     if not server:
-        replay = ns.replay or demo_replay(cfg.profile)
+        replay = ns.replay or demo_replay(cfg.profile, cfg.tool_parser)
         try:
             from engine.local.server.replay import load_replay
 
