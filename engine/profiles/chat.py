@@ -63,6 +63,10 @@ class ChatProfile:
         self.codec = Codec(tokenizer)
         self.eos = tokenizer.eos_token
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos)
+        # The token that ends an assistant turn followed by tool results, as the template writes it
+        # (Qwen: <|im_end|>, GLM: <|observation|>, DeepSeek: its EOS); a model that emitted it keeps it.
+        self.closer = self._closer()
+        self.closer_id = tokenizer.convert_tokens_to_ids(self.closer) if self.closer else None
         self.drift = template_drift(self)
         if self.drift is not None:
             log.warning("chat template drift for this tokenizer: %s", self.drift)
@@ -99,8 +103,8 @@ class ChatProfile:
         specials = self.codec.special_pattern
         held = [specials.sub(hold, c) for c in contents] if specials is not None else contents
         delta = self.tool_delta(held)
-        closed = last_token is None or last_token == self.eos_id
-        text = delta if closed else self.eos + delta
+        closed = last_token is None or last_token == self.closer_id
+        text = delta[len(self.closer):] if closed and self.closer else delta
         if not found:
             return self.encode(text)
         ids: list[int] = []
@@ -109,16 +113,22 @@ class ChatProfile:
             ids += self.encode(part) if i % 2 == 0 else self.codec.encode_plain(found[int(part)])
         return ids
 
+    def _closer(self) -> str | None:
+        """The special token the template puts right after an assistant turn's text, before tool results."""
+        specials = self.codec.special_pattern
+        delta = self.tool_delta(["x"])
+        match = specials.match(delta) if specials is not None else None
+        return match.group() if match else None
+
     def tool_delta(self, contents: list[str]) -> str:
-        """Text the template puts after an assistant turn's end token for these tool messages."""
+        """Text the template puts after an assistant turn's text for these tool messages, its closing token included."""
         messages = [
             {"role": "user", "content": "?"},
             {"role": "assistant", "content": _SENTINEL},
             *({"role": "tool", "content": c} for c in contents),
         ]
         full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        end = full.index(_SENTINEL + self.eos) + len(_SENTINEL) + len(self.eos)
-        return full[end:]
+        return full[full.index(_SENTINEL) + len(_SENTINEL):]
 
     def encode(self, text: str) -> list[int]:
         return self.codec.encode(text)
@@ -149,7 +159,7 @@ def incremental_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns:
     """Token ids as the engine builds them: prompt, then each model turn and its tool delta."""
     ids = profile.render_prompt(messages, [])
     for assistant_text, tool_texts in turns:
-        ids += profile.encode(assistant_text) + [profile.eos_id]
+        ids += profile.encode(assistant_text) + [profile.closer_id if profile.closer_id is not None else profile.eos_id]
         results = [CallResult(ToolCall("t"), t) for t in tool_texts]
         ids += profile.observation_ids(Turn("tool"), results)
     return ids

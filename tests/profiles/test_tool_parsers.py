@@ -86,8 +86,8 @@ def test_another_family_s_call_is_named() -> None:
 
 def test_the_chat_template_names_the_parser() -> None:
     assert detect_tool_parser(load_tokenizer().chat_template) == "qwen"  # Qwen3: SGLang's name for it too
-    assert detect_tool_parser("{{ '<tool_call>' + name }}<arg_key>{{ k }}</arg_key>") == "glm47"
-    assert detect_tool_parser("{{ '<tool_call>' + name + '\\n' }}<arg_key>{{ k }}</arg_key>") == "glm45"
+    assert detect_tool_parser("<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key>") == "glm47"
+    assert detect_tool_parser("<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>") == "glm45"
     assert detect_tool_parser("<function={{ name }}>\n<parameter=") == "qwen3_coder"
     assert detect_tool_parser("{{ messages }}") is None
 

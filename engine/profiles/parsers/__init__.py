@@ -109,8 +109,13 @@ def detect_tool_parser(template: str | None) -> str | None:
         if marker in template:
             return name
     if "<arg_key>" in template:
-        # GLM-4.7 and later write the name and first key back to back; 4.5/4.6 put a newline between
-        return "glm45" if re.search(r"<tool_call>\{\{[^}]*\}\}\\n|<tool_call>'\s*\+\s*[^+]*\+\s*'\\n", template) else "glm47"
+        # GLM-4.7 and later write the name and the first key back to back; 4.5/4.6 put a newline
+        # between, as their templates' instructions show ("<tool_call>{function-name}\n<arg_key>")
+        if "{function-name}<arg_key>" in template:
+            return "glm47"
+        if "{function-name}\n<arg_key>" in template or re.search(r"<tool_call>'\s*\+\s*[\w.]+\s*}}\s*\n", template):
+            return "glm45"
+        return "glm47" if re.search(r"<tool_call>'\s*\+\s*[\w.]+\s*-?}}\s*(?:{%[^%]*%})?\s*<arg_key>", template) else "glm45"
     if "<｜tool▁calls▁begin｜>" in template:
         return "deepseekv3" if "```json" in template else "deepseekv31"
     if "<tool_call>" in template:
