@@ -183,3 +183,14 @@ def cases() -> list[dict[str, Any]]:
         if parser in TYPED:
             add("bad_integer", render([("lookup", {"city": "Oslo", "days": "soon"})]), "engine_error/string_kept")
     return out
+
+
+# Names the engine reads through SGLang's own detector (not natively): one call each, from the
+# reference notes. The oracle runs them through the engine's bridge inside the SGLang venv.
+BRIDGED = {
+    "step3": "<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name=\"code_interpreter\">"
+             "<steptml:parameter name=\"code\">print(6*7)</steptml:parameter></steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>",
+    "gemma4": "<|tool_call>call:code_interpreter{code:<|\"|>print(6*7)<|\"|>}<tool_call|>",
+    "deepseekv32": "\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"code_interpreter\">\n<｜DSML｜parameter name=\"code\" "
+                   "string=\"true\">print(6*7)</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+}

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from engine.profiles.parsers import get_tool_parser
-from tests.profiles.formats_corpus import TOOLS, cases
+from engine.profiles.parsers import get_tool_parser, native_parser_names
+from tests.profiles.formats_corpus import BRIDGED, TOOLS, cases
 
 ORACLE = os.environ.get("FSM_SGLANG_ORACLE")
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -23,14 +23,29 @@ CASES = cases()
 
 
 @pytest.fixture(scope="module")
-def readings() -> dict[str, Any]:
+def oracle() -> dict[str, Any]:
     if not ORACLE or not os.path.isfile(ORACLE):
         pytest.skip("SGLang's readings are not here: run tests/profiles/sglang_oracle_venv.sh VENV PYTHON, then "
                     "VENV/bin/python tests/profiles/sglang_oracle.py OUT.json and set FSM_SGLANG_ORACLE=OUT.json (.ci/run does)")
     with open(ORACLE, encoding="utf-8") as f:
         data = json.load(f)
     assert data["sglang"] == "0.5.23", "the corpus's expectations were written against SGLang 0.5.23"
-    return data["readings"]
+    return data
+
+
+@pytest.fixture(scope="module")
+def readings(oracle: dict[str, Any]) -> dict[str, Any]:
+    return oracle["readings"]
+
+
+@pytest.mark.parametrize("name", sorted(BRIDGED))
+def test_a_name_the_engine_does_not_read_natively_works_through_sglang(name: str, oracle: dict[str, Any]) -> None:
+    """Run by the oracle inside the SGLang venv: `get_tool_parser(name)` there is SGLang's detector."""
+    bridged = oracle["bridged"]
+    assert "raised" not in bridged, bridged
+    assert name not in native_parser_names()
+    assert bridged[name]["parser"] == "SGLangDetectorParser"
+    assert bridged[name]["calls"] == [["code_interpreter", {"code": "print(6*7)"}, None]]
 
 
 def _sglang_calls(reading: dict[str, Any]) -> list[tuple[str, Any]]:
