@@ -183,8 +183,11 @@ def template_drift(profile: ChatProfile) -> str | None:
     """
     call = json.dumps({"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}})
     messages = [{"role": "user", "content": "What is 6 * 7? Use the tool."}]
+    prompt = profile.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    opened = prompt.rstrip().endswith("<think>")  # Qwen3.5, GLM-4.7: the prompt opens the reasoning
+    think = "" if opened else "<think>\n"
     turns = [
-        (f"<think>\nI should use the tool.\n</think>\n\nLet me check.\n<tool_call>\n{call}\n</tool_call>", ["42"]),
+        (f"{think}I should use the tool.\n</think>\n\nLet me check.\n<tool_call>\n{call}\n</tool_call>", ["42"]),
         (f"<tool_call>\n{call}\n</tool_call>", ["42", "again"]),
     ]
     ours, theirs = incremental_ids(profile, messages, turns), full_render_ids(profile, messages, turns)
