@@ -43,7 +43,6 @@ from attrs import validators as v
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
-PROFILES = ("retool", "chat")
 _positive = v.gt(0)
 _non_negative = v.ge(0)
 
@@ -275,6 +274,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             flag=Flag("--server", "URL", SERVER, unset="start the embedded CPU server")),
     Setting("engine_profile", str, "retool", "prompt and turn format: retool, chat, or one registered by an engine_tool_modules module",
             flag=Flag("--profile", "NAME", SERVER)),
+    Setting("engine_tool_parser", str, None, "the chat profile's tool-call format, by SGLang's --tool-call-parser name",
+            unset="from the chat template, else hermes", flag=Flag("--tool-parser", "NAME", SERVER)),
     Setting("engine_max_turns", int, 16, "model turns per sample", low=1, high=100_000, flag=Flag("--max-turns")),
     Setting("engine_max_tool_calls", int, 16, "tool calls per sample", low=0, high=1_000_000, flag=Flag("--max-tool-calls", group=TOOLS)),
     Setting("engine_max_calls_per_turn", int, 8, "tool calls run per turn (the rest get an error)", low=1, high=10_000),
@@ -539,6 +540,7 @@ class EngineConfig:
     server_url: str = derived_field(("engine_server_url", "sglang_router_ip", "sglang_router_port"), server_url,
                                     default=DEFAULT_SERVER_URL)
     profile: str = setting_field("engine_profile")
+    tool_parser: str | None = setting_field("engine_tool_parser")  # the chat profile's tool-call format (SGLang parser name)
     max_turns: int = setting_field("engine_max_turns")
     max_tool_calls: int = setting_field("engine_max_tool_calls")
     max_calls_per_turn: int = setting_field("engine_max_calls_per_turn")

@@ -60,9 +60,12 @@ def demo_file(name: str) -> str:
     return str(resources.files("engine.local") / "demo" / name)
 
 
-def demo_replay(profile: str) -> str:
-    """The demo replay written in `profile`'s turn format."""
-    return demo_file("replay-chat.jsonl" if profile == "chat" else "replay.jsonl")
+def demo_replay(profile: str, tool_parser: str | None = None) -> str:
+    """The demo replay written in `profile`'s turn format (chat: in the tool parser's family's, where the demo has it)."""
+    if profile != "chat":
+        return demo_file("replay.jsonl")
+    family = demo_file(f"replay-chat-{tool_parser}.jsonl") if tool_parser else ""
+    return family if family and os.path.isfile(family) else demo_file("replay-chat.jsonl")
 
 
 # -- reading the input ------------------------------------------------------------------------
@@ -205,8 +208,10 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
         where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
         raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     try:
-        make_profile(cfg.profile, tokenizer)
+        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser)
     except Exception as exc:
+        if cfg.tool_parser is not None and str(exc).startswith("unknown tool parser"):
+            raise UsageError(f"{_origin(ns, 'engine_tool_parser')}: {exc}") from None
         raise UsageError(f"{_origin(ns, 'engine_profile')} {cfg.profile}: {exc}") from None
     return tokenizer
 
@@ -284,7 +289,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
         raise UsageError("--replay: only the embedded server replays a script; drop --replay or --server")
     replay = None
     if not server:
-        replay = ns.replay or demo_replay(cfg.profile)
+        replay = ns.replay or demo_replay(cfg.profile, cfg.tool_parser)
         try:
             from engine.local.server.replay import load_replay
 
@@ -292,7 +297,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
         except (OSError, ValueError) as exc:
             raise UsageError(f"--replay {replay}: {getattr(exc, 'strerror', None) or exc}") from None
     samples = expand_groups(read_input(in_path, ns.limit), sampling["n_samples_per_prompt"])
-    offered = check_tools(ns, cfg)  # first: a tool module may register the profile
+    offered = check_tools(ns, cfg)  # first: a tool module may register the profile or parser named
     tokenizer = check_tokenizer(ns, cfg)
     from engine.loop.preflight import check_tools_sync, describe
 

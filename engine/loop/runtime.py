@@ -134,7 +134,7 @@ class Runtime:
         http = http if http is not None else make_http_client(cfg)
         client = SGLangClient(cfg.server_url, http, cfg.retry, request_timeout=cfg.request_timeout,
                               vocab_size=vocabulary_size(tok))
-        return cls(cfg, tok, make_profile(cfg.profile, tok), client, ToolRunner(cfg), abort_check=abort_check)
+        return cls(cfg, tok, make_profile(cfg.profile, tok, tool_parser=cfg.tool_parser), client, ToolRunner(cfg), abort_check=abort_check)
 
     def tool_schemas(
         self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None
@@ -172,24 +172,6 @@ class Runtime:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def set_up_environment(cfg: EngineConfig, profile: Profile) -> Any:
-    """The environment `engine_environment` names, set up for one runtime; None when none is chosen.
-
-    Raises ValueError naming the registered ones for an unknown name, and for a profile that
-    cannot render a user turn.
-    """
-    if cfg.environment is None:
-        return None
-    env = envs.get_environment(cfg.environment)
-    if env is None:
-        known = ", ".join(envs.environment_names()) or "none"
-        raise ValueError(f"unknown environment {cfg.environment!r} (engine_environment): registered are {known}; "
-                         "name the module that registers it in engine_tool_modules")
-    if not callable(getattr(profile, "user_turn_ids", None)):
-        raise ValueError(f"the {profile.name} profile cannot append an environment's reply as a user turn")
-    return env.setup(cfg)
 
 
 def exact_key(value: Any) -> Any:

@@ -92,6 +92,9 @@ def _log_turn(r: Rollout, appended: bool = True) -> None:
             "cached_tokens": reply.stats.get("cached_tokens") if reply is not None else None,
         }
     )
+    parsed = r.turn.parsed
+    if parsed is not None and parsed.foreign:  # an answer holding another format's call: counted by runs
+        r.record.turn_log[-1]["foreign_format"] = parsed.foreign
 
 
 def plan_tool_calls(r: Rollout) -> None:

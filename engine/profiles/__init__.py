@@ -3,12 +3,14 @@
 Membership: code that turns text into ids and back in a format the model was trained on.
 Profiles plug in by registration, as tools do: `register_profile("mine", "my_pkg.fmt:MyProfile")`
 (a module path, imported on first use) in a module named in `engine_tool_modules`, then
-`engine_profile: mine`. `retool` and `chat` ship.
+`engine_profile: mine`. `retool` and `chat` ship; chat reads the tool-call format named by
+`engine_tool_parser` (`engine.profiles.parsers`, SGLang's `--tool-call-parser` names).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -33,15 +35,27 @@ def profile_names() -> tuple[str, ...]:
     return tuple(sorted(_PROFILES))
 
 
-def make_profile(name: str, tokenizer: Any) -> Profile:
-    """The profile registered as `name`, over `tokenizer`."""
+def make_profile(name: str, tokenizer: Any, *, tool_parser: str | None = None) -> Profile:
+    """The profile registered as `name`, over `tokenizer`.
+
+    `tool_parser` (an SGLang parser name) goes to a factory that takes it (chat does); naming
+    one for a profile that reads a single format of its own is an error, not ignored.
+    """
     factory = _PROFILES.get(name)
     if factory is None:
         raise ValueError(f"unknown profile {name!r}: registered are {', '.join(profile_names())}")
     if isinstance(factory, str):
         module, _, attr = factory.partition(":")
         factory = getattr(importlib.import_module(module), attr)
-    return factory(tokenizer)
+    if tool_parser is None:
+        return factory(tokenizer)
+    try:
+        takes = "tool_parser" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        raise ValueError(f"the {name} profile reads its own tool-call format; engine_tool_parser is for chat")
+    return factory(tokenizer, tool_parser=tool_parser)
 
 
 __all__ = ["CallResult", "Profile", "ToolCall", "Turn", "TurnKind", "make_profile", "profile_names", "register_profile"]

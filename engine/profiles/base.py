@@ -26,6 +26,7 @@ class Turn:
     action: TurnKind
     calls: tuple[ToolCall, ...] = ()
     answer: str | None = None
+    foreign: str | None = None  # an answer holding a call in another format than configured (that parser's name)
 
 
 @attrs.frozen

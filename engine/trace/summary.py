@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from statistics import mean
 from typing import Any
 
@@ -74,6 +75,7 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
         "tools_used": tools_used,
         "per_tool": per_tool,
         "engine_errors": Counter(_short(m["engine_error"]) for m in metas if m.get("engine_error")),
+        "foreign_format_answers": foreign_answers(metas),
         "retries": retries,
         "response_tokens": _stats([s.get("response_length") or 0 for s in samples]),
         "trained_tokens": _stats([sum(s.get("loss_mask") or []) for s in samples]),
@@ -91,6 +93,9 @@ def _answered_calls(m: dict[str, Any]) -> int:
     ran = stats.get("calls", 0)
     refused = sum(n for kind, n in errors.items() if kind in PLAN_ERRORS and isinstance(n, int))
     return (ran if isinstance(ran, int) else 0) + refused
+def foreign_answers(metas: Sequence[dict[str, Any]]) -> Counter[str]:
+    """Answers that look like calls of another format than configured, by that format (`metadata["fsm"]`s)."""
+    return Counter(t["foreign_format"] for m in metas for t in m.get("turns") or [] if isinstance(t, dict) and t.get("foreign_format"))
 
 
 def failed_calls(summary: dict[str, Any]) -> int:
@@ -184,6 +189,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         counts("most common tool error texts", summary["tool_error_texts"], SHOWN_TEXTS)
     if summary.get("engine_errors"):
         counts("most common engine errors", summary["engine_errors"], SHOWN_TEXTS)
+    if summary.get("foreign_format_answers"):
+        counts("answers that look like calls of another format", summary["foreign_format_answers"])
     if summary.get("retries") is not None:
         lines.append(f"requests retried: {summary['retries']}")
     lines += [f"warning: {w}" for w in warnings(summary)]

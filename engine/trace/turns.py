@@ -60,10 +60,16 @@ def response_parts(sample: dict[str, Any], decode: Decode) -> list[Part]:
 
 def parse_calls(profile: str | None, text: str) -> list[tuple[str, Any]]:
     """The tool calls a model turn's text makes, as (name, arguments), read by its profile's rules."""
+    from engine.profiles.base import Turn
     from engine.profiles.chat import parse_hermes_turn
+    from engine.profiles.parsers import foreign_format, get_tool_parser
     from engine.profiles.retool import parse_retool_turn
 
     turn = (parse_hermes_turn if profile == "chat" else parse_retool_turn)(text)
+    if profile == "chat" and all(c.error for c in turn.calls):  # none read: maybe another tool-call format (the file does not say which parser ran)
+        family = foreign_format(text, "hermes", {})
+        if family is not None:
+            turn = Turn("tool", calls=get_tool_parser(family).parse(text, {}).calls)
     return [(c.name or f"<{c.error}>", c.arguments if not c.error else c.detail) for c in turn.calls]
 
 

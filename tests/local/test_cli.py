@@ -72,6 +72,7 @@ def _cases(d: Path) -> dict[str, tuple[list[str], str]]:
         "top_p_nan": (["--top-p", "nan", *out], "argument --top-p: must be a number > 0 and <= 1"),
         "unknown_option": (["--bogus", *out], "unrecognized arguments: --bogus"),
         "unknown_profile": (["--profile", "xml", *out], "--profile xml: unknown profile 'xml': registered are chat, retool"),
+        "unknown_tool_parser": (["--profile", "chat", "--tool-parser", "xml", *out], "--tool-parser: unknown tool parser 'xml': known are "),
         "output_dir_missing": (["--output", str(d / "nowhere" / "o.jsonl")], "does not exist"),
         "output_is_a_directory": (["--output", str(d / "outdir")], "is a directory"),
         "output_unwritable": (["--output", "/proc/fsm-rollout-test.jsonl"], "--output /proc/fsm-rollout-test.jsonl: cannot write in /proc"),

