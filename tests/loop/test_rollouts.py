@@ -32,7 +32,7 @@ def test_a_transiently_failed_attempt_is_run_again_and_recorded(fake_interpreter
     assert sample.status.name == "COMPLETED" and sample.metadata["fsm"]["termination_reason"] == "answered"
     assert [a["reason"] for a in sample.metadata["fsm"]["attempts"]] == ["server_aborted"]
     assert sample.reward["score"] == 1.0 and len(server.requests) == 2
-    assert all(shard.is_closed for shard in rt.client.http.shards)  # the context manager closed the pool
+    assert rt.client.http.client.is_closed  # the context manager closed the pool
 
 
 def test_attempts_spent_end_failed_and_removed_and_groups_keep_input_order(fake_interpreter: FakeInterpreter) -> None:
