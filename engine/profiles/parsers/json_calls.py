@@ -128,24 +128,21 @@ class MistralParser:
         return ParsedTurn((content.strip() + " " + trailing.strip()).strip(), tuple(calls))
 
 
-class DeepSeekParser:
-    """DeepSeek V3/R1 (`v31=False`): `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`;
-    V3.1 (`v31=True`): `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`; inside
-    `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`."""
+class SectionParser:
+    """A section of special-token-delimited calls (DeepSeek, Kimi K2): the text before the section
+    is the content, each closed call block is read by `_call`, an unclosed block or section is one
+    malformed call. Without a section the turn is text, its end-of-turn token (`STOP`) dropped."""
 
-    reasoning = True
-    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-    CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-    _V3_BODY = re.compile(r"(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*)\n```\s*$", re.DOTALL)
-
-    def __init__(self, name: str, *, v31: bool) -> None:
-        self.name = name
-        self.v31 = v31
+    BEGIN: str
+    END: str
+    CALL: str
+    CALL_END: str
+    STOP: str
 
     def parse(self, text: str, schemas: Schemas) -> ParsedTurn:
         at = text.find(self.BEGIN)
         if at < 0:
-            return ParsedTurn(text.replace("<｜end▁of▁sentence｜>", "").strip())
+            return ParsedTurn(text.replace(self.STOP, "").strip())
         content, section = text[:at], text[at + len(self.BEGIN):]
         closed = self.END in section
         section = section.split(self.END, 1)[0]
@@ -154,6 +151,25 @@ class DeepSeekParser:
         if open_last or not closed:
             calls.append(malformed(f"{self.CALL} / {self.BEGIN} is not closed"))
         return ParsedTurn(content.strip(), tuple(calls))
+
+    def _call(self, body: str) -> ToolCall:
+        raise NotImplementedError
+
+
+class DeepSeekParser(SectionParser):
+    """DeepSeek V3/R1 (`v31=False`): `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`;
+    V3.1 (`v31=True`): `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`; inside
+    `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`."""
+
+    reasoning = True
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    STOP = "<｜end▁of▁sentence｜>"
+    _V3_BODY = re.compile(r"(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*)\n```\s*$", re.DOTALL)
+
+    def __init__(self, name: str, *, v31: bool) -> None:
+        self.name = name
+        self.v31 = v31
 
     def _call(self, body: str) -> ToolCall:
         if self.v31:
@@ -167,27 +183,15 @@ class DeepSeekParser:
         return call_from_json_text(match.group(3), f"the arguments of {match.group(2)}", match.group(2).strip())
 
 
-class KimiK2Parser:
+class KimiK2Parser(SectionParser):
     """Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`."""
 
     name = "kimi_k2"
     reasoning = True
     BEGIN, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
     CALL, CALL_END, ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+    STOP = "<|im_end|>"
     _ID = re.compile(r"^(?:functions\.)?([\w.\-]+):\d+$")
-
-    def parse(self, text: str, schemas: Schemas) -> ParsedTurn:
-        at = text.find(self.BEGIN)
-        if at < 0:
-            return ParsedTurn(text.replace("<|im_end|>", "").strip())
-        content, section = text[:at], text[at + len(self.BEGIN):]
-        closed = self.END in section
-        section = section.split(self.END, 1)[0]
-        _, bodies, open_last = split_blocks(section, self.CALL, self.CALL_END)
-        calls = [self._call(b) for b in bodies[: len(bodies) - open_last]]
-        if open_last or not closed:
-            calls.append(malformed(f"{self.CALL} / {self.BEGIN} is not closed"))
-        return ParsedTurn(content.strip(), tuple(calls))
 
     def _call(self, body: str) -> ToolCall:
         ident, sep, args = body.partition(self.ARGS)
