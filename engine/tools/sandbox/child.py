@@ -179,12 +179,7 @@ def isolate_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
     # these, wherever they live (a venv under /tmp, pyenv under /root, a checkout under /home).
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in cfg["expose"]]
     libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk']},nr_inodes=8192,mode=755")
-    for path in cfg["hide"]:
-        libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=755")
-    for fd, path in held:
-        os.makedirs(path, exist_ok=True)
-        libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        os.close(fd)
+    _hide_and_bind_back(libc, cfg["hide"], held)
     _stand_in_accounts(libc, uid, cfg["workdir"])
     try:  # a /proc of our own that shows the sandbox only its own processes
         libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
@@ -193,6 +188,17 @@ def isolate_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
     os.mkdir(cfg["workdir"], 0o700)
     os.chown(cfg["workdir"], uid, uid)
     _make_read_only(libc)
+
+
+def _hide_and_bind_back(libc: Libc, hide: list[str], held: list[tuple[int, str]]) -> None:
+    """Cover each hidden path with an empty tmpfs, then bind the held directories back over it
+    (from their fds, opened before anything was covered), closing each fd."""
+    for path in hide:
+        libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=755")
+    for fd, path in held:
+        os.makedirs(path, exist_ok=True)
+        libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
 
 
 def build_template(libc: Libc, cfg: dict[str, Any]) -> None:
@@ -204,12 +210,7 @@ def build_template(libc: Libc, cfg: dict[str, Any]) -> None:
     libc.mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do here propagates to the host
     outside = [p for p in cfg["expose"] if not _under(p, "/tmp")]  # /tmp ones: per run, see below
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in outside]
-    for path in cfg["hide"]:
-        libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=755")
-    for fd, path in held:
-        os.makedirs(path, exist_ok=True)
-        libc.mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        os.close(fd)
+    _hide_and_bind_back(libc, cfg["hide"], held)
     try:  # a /proc of our own that shows the sandbox only its own processes
         libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except OSError:
