@@ -10,11 +10,13 @@ After a model turn, only the appended delta is tokenized: the template's glue ar
 tool messages (closing the turn, the tool responses, opening the next assistant turn),
 never the model's own tokens, which stay exactly the server's. The glue tokens get mask 0.
 
-The delta is learnt from the template itself, by rendering a conversation around a
-sentinel assistant turn, so any template that renders tool messages works. Whether the
-incremental token stream equals a full render is checked once per tokenizer
-(`template_drift`) and reported: Qwen3's template, for one, rewrites past turns that
-hold `<think>` blocks.
+The delta is learnt from the template itself: it renders an assistant turn with a tool
+call, once alone and once followed by tool messages; what the second adds after the
+turn's text is the glue, so any template that renders tool messages works (MiniMax's
+refuses tool messages after a turn without calls). Whether the incremental token stream
+equals a full render is checked once per tokenizer (`template_drift`) on a conversation
+in the template's own rendering of each family's calls, and reported when it does not:
+such a template rewrites past turns (drops their reasoning, say).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from engine.profiles.tokenizer import Codec
 log = logging.getLogger(__name__)
 _SENTINEL = "@@assistant-turn-sentinel@@"
 _USER_SLOT = "@@user-turn-slot@@"
+_WARNED: set[tuple[str, str]] = set()
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -62,6 +65,7 @@ class ChatProfile:
         self.parser = parsers.get_tool_parser(self.tool_parser)  # an unknown name: ValueError listing the known
         self.tokenizer = tokenizer
         self.codec = Codec(tokenizer)
+        self._glue: tuple[dict[str, Any], str] | None = None  # the turn tool_delta renders, its text from the sentinel on
         self.eos = tokenizer.eos_token
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos)
         # The token that ends an assistant turn followed by tool results, as the template writes it
@@ -69,8 +73,9 @@ class ChatProfile:
         self.closer = self._closer()
         self.closer_id = tokenizer.convert_tokens_to_ids(self.closer) if self.closer else None
         self.drift = template_drift(self)
-        if self.drift is not None:
-            log.warning("chat template drift for this tokenizer: %s", self.drift)
+        if self.drift is not None and (self.tool_parser, self.drift) not in _WARNED:  # once per process, not per profile
+            _WARNED.add((self.tool_parser, self.drift))
+            log.warning("chat template check (parser %s): %s", self.tool_parser, self.drift)
 
     def render_prompt(self, prompt: Any, tools: list[dict[str, Any]]) -> list[int]:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
@@ -123,13 +128,15 @@ class ChatProfile:
 
     def tool_delta(self, contents: list[str]) -> str:
         """Text the template puts after an assistant turn's text for these tool messages, its closing token included."""
-        messages = [
-            {"role": "user", "content": "?"},
-            {"role": "assistant", "content": _SENTINEL},
-            *({"role": "tool", "content": c} for c in contents),
-        ]
+        if self._glue is None:
+            self._glue = glue_turn(self)
+        turn, tail = self._glue
+        messages = [_PROBE_USER, turn, *tool_messages(turn, contents)]
         full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return full[full.index(_SENTINEL) + len(_SENTINEL):]
+        at = full.find(tail)
+        if at < 0:
+            raise ValueError("the chat template renders an assistant turn differently once tool messages follow it")
+        return full[at + len(tail):]
 
     def user_turn_ids(self, text: str, last_token: int | None = None) -> list[int]:
         """An environment's reply as the next user turn (mask 0): the template's tokens from the end
@@ -192,22 +199,145 @@ def full_render_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns:
     return profile.encode(text)
 
 
-def template_drift(profile: ChatProfile) -> str | None:
-    """None when delta tokenization equals a full render on a canned two-call conversation.
+_PROBE_USER = {"role": "user", "content": "What is 6 * 7? Use the tool."}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "code_interpreter", "description": "Run Python code and return what it prints.",
+                 "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}},
+}
+# How templates want an assistant turn with calls, most usual first: arguments as an object or as
+# JSON text (DeepSeek concatenates them), content given or None (DeepSeek-V3 renders calls only
+# without content); last, content alone (a template that renders no `tool_calls`).
+_FORMS: tuple[tuple[bool, bool, bool], ...] = (  # (arguments as text, content None, with calls)
+    (False, False, True), (True, False, True), (False, True, True), (True, True, True), (False, False, False),
+)
 
-    Otherwise a sentence naming the first token where they part, so a user sees at
-    start-up that this template rewrites history (the engine's ids stay the server's).
+
+def assistant_turn(form: tuple[bool, bool, bool], reasoning: str, content: str, codes: list[str], first_id: int = 0) -> dict[str, Any]:
+    """An assistant message calling code_interpreter once per code, in one of `_FORMS`."""
+    as_text, no_content, with_calls = form
+    message: dict[str, Any] = {"role": "assistant", "content": None if no_content else content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if with_calls:
+        message["tool_calls"] = [
+            {"id": f"call{first_id + i:05d}", "type": "function",  # 9 alphanumerics: what Mistral's templates demand
+             "function": {"name": "code_interpreter", "arguments": json.dumps({"code": c}) if as_text else {"code": c}}}
+            for i, c in enumerate(codes)
+        ]
+    return message
+
+
+def tool_messages(turn: dict[str, Any], contents: list[str]) -> list[dict[str, Any]]:
+    """One tool message per content, answering the turn's calls in order (the last one for any surplus)."""
+    ids = [c["id"] for c in turn.get("tool_calls") or ()] or ["call00000"]
+    return [{"role": "tool", "tool_call_id": ids[min(i, len(ids) - 1)], "name": "code_interpreter", "content": c}
+            for i, c in enumerate(contents)]
+
+
+def turn_end(profile: ChatProfile, rendered: str) -> int:
+    """Where the assistant turn that ends `rendered` stops being the model's text: before the
+    special token the template closes it with (Qwen `<|im_end|>`, DeepSeek's EOS, MiniMax `[e~[`),
+    or at the end (GLM closes a turn with the next role's token)."""
+    specials = profile.codec.special_pattern
+    last = None
+    if specials is not None:
+        for last in specials.finditer(rendered):
+            pass
+    return last.start() if last is not None and not rendered[last.end():].strip() else len(rendered)
+
+
+def glue_turn(profile: ChatProfile) -> tuple[dict[str, Any], str]:
+    """The assistant turn `tool_delta` renders before the tool messages (a sentinel for content),
+    in the first form the template renders both alone and followed by a tool message, and its
+    text from the sentinel to the turn's end (the calls as the template writes them): the glue
+    is what follows that text. What a template rewrites before the content (reasoning) is moot."""
+    errors = []
+    for form in (f for f in _FORMS if not f[1]):
+        turn = assistant_turn(form, "", _SENTINEL, ["print(1)"])
+        try:
+            alone = profile.tokenizer.apply_chat_template([_PROBE_USER, turn], tokenize=False)
+            full = profile.tokenizer.apply_chat_template([_PROBE_USER, turn, *tool_messages(turn, ["y"])],
+                                                         tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # this template wants another form
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        at = alone.find(_SENTINEL)
+        tail = alone[at:turn_end(profile, alone)] if at >= 0 else ""
+        if tail and tail in full:
+            return turn, tail
+        errors.append("the turn renders differently once a tool message follows it")
+    raise ValueError(f"the chat template cannot render tool results after an assistant turn: {errors[-1]}")
+
+
+def template_drift(profile: ChatProfile) -> str | None:
+    """None when the engine's incremental ids equal a full render of a two-call conversation.
+
+    The conversation is written the way the template itself renders each assistant turn with
+    its calls (so every family is checked in its own format), the first form of `_FORMS` whose
+    call the configured parser reads. Otherwise a sentence: that the template writes no call
+    the parser reads, or the first token where the ids part, so a user sees at start-up that
+    this template rewrites history (the engine's ids stay the server's).
     """
-    call = json.dumps({"name": "code_interpreter", "arguments": {"code": "print(6 * 7)"}})
-    messages = [{"role": "user", "content": "What is 6 * 7? Use the tool."}]
-    prompt = profile.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    opened = prompt.rstrip().endswith("<think>")  # Qwen3.5, GLM-4.7: the prompt opens the reasoning
-    think = "" if opened else "<think>\n"
-    turns = [
-        (f"{think}I should use the tool.\n</think>\n\nLet me check.\n<tool_call>\n{call}\n</tool_call>", ["42"]),
-        (f"<tool_call>\n{call}\n</tool_call>", ["42", "again"]),
-    ]
-    ours, theirs = incremental_ids(profile, messages, turns), full_render_ids(profile, messages, turns)
+    try:
+        return _drift(profile)
+    except Exception as exc:  # a template that cannot render the conversation at all
+        return f"the check could not render its conversation ({type(exc).__name__}: {exc})"
+
+
+def _render(profile: ChatProfile, messages: list[dict[str, Any]], prompt: bool) -> str:
+    return profile.tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=prompt)
+
+
+def _model_text(profile: ChatProfile, before: list[dict[str, Any]], turn: dict[str, Any]) -> str:
+    """The assistant turn's text as the template writes it, after the generation prompt, without its closing token."""
+    prompt, rendered = _render(profile, before, True), _render(profile, [*before, turn], False)
+    if not rendered.startswith(prompt):
+        at = next((i for i, (a, b) in enumerate(zip(prompt, rendered)) if a != b), len(prompt))
+        raise _Parted(f"the template rewrites the turn it prompts for: the prompt goes on {prompt[at:at + 30]!r}, "
+                      f"the turn rendered after it {rendered[at:at + 30]!r}")
+    return rendered[len(prompt):turn_end(profile, rendered)]
+
+
+class _Parted(Exception):
+    """The template renders the conversation so that no token stream can follow it incrementally."""
+
+
+def _drift(profile: ChatProfile) -> str | None:
+    schemas = {"code_interpreter": _PROBE_TOOL["function"]["parameters"]}
+    shown = None
+    for form in _FORMS[:-1]:
+        first = assistant_turn(form, "I should use the tool.", "Let me check.", ["print(6 * 7)"])
+        second = assistant_turn(form, "Once more, twice.", "", ["print(6 * 7)", "print('é')"], first_id=1)
+        try:
+            text = _model_text(profile, [_PROBE_USER], first)
+        except _Parted as exc:
+            return str(exc)
+        except Exception:  # this template wants another form
+            continue
+        shown = text
+        acting = parsers.split_reasoning(text)[1] if profile.parser.reasoning else text
+        calls = profile.parser.parse(acting, schemas).calls
+        if [(c.name, c.arguments, c.error) for c in calls] == [("code_interpreter", {"code": "print(6 * 7)"}, None)]:
+            break
+    else:
+        if shown is None:
+            return "the chat template renders no assistant turn with tool calls"
+        return (f"the chat template writes no tool call the {profile.tool_parser} parser reads "
+                f"(an assistant turn with one renders as {shown[-120:]!r})")
+    results = [["42"], ["42", "again"]]
+    convo: list[dict[str, Any]] = [_PROBE_USER]
+    ours = profile.encode(_render(profile, convo, True))
+    end = profile.closer_id if profile.closer_id is not None else profile.eos_id
+    for turn, outputs in zip((first, second), results):
+        try:
+            text = _model_text(profile, convo, turn)
+        except _Parted as exc:
+            return str(exc)
+        ours += profile.encode(text) + [end]
+        ours += profile.observation_ids(Turn("tool"), [CallResult(ToolCall("code_interpreter"), o) for o in outputs], end)
+        convo += [turn, *tool_messages(turn, outputs)]
+    theirs = profile.encode(_render(profile, convo, True))
     if ours == theirs:
         return None
     at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))

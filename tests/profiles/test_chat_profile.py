@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 
+import pytest
 import respx
 
 from engine.config import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
 from engine.profiles.chat import ChatProfile, full_render_ids, incremental_ids, parse_hermes_turn
+from engine.profiles.tokenizer import load_tokenizer, offline_tokenizer_dir
 from engine.loop.runtime import Runtime
 from tests.conftest import run
 from tests.support.helpers import SAMPLING, URL, ScriptedServer, tok, turn
@@ -78,7 +81,8 @@ def incremental_ids_with_tools(profile, messages, turns):
 
 
 class HistoryRewritingTokenizer:
-    """The real tokenizer behind a template that drops <think> blocks from assistant turns."""
+    """A real tokenizer behind a template that drops the reasoning of every assistant turn but the
+    conversation's last (`<think>` blocks in the content and `reasoning_content`): it rewrites past turns."""
 
     def __init__(self, inner):
         self._inner = inner
@@ -90,17 +94,66 @@ class HistoryRewritingTokenizer:
         return self._inner(*args, **kw)
 
     def apply_chat_template(self, messages, **kw):
-        strip = lambda m: {**m, "content": m["content"].split("</think>")[-1].lstrip()} if m["role"] == "assistant" else m  # noqa: E731
-        return self._inner.apply_chat_template([strip(m) for m in messages], **kw)
+        def strip(m):
+            if m["role"] != "assistant":
+                return m
+            m = {k: v for k, v in m.items() if k != "reasoning_content"}
+            return {**m, "content": m["content"].split("</think>")[-1].lstrip()} if m.get("content") else m
+
+        return self._inner.apply_chat_template([strip(m) for m in messages[:-1]] + messages[-1:], **kw)
 
 
-def test_drift_check_reports_a_template_that_rewrites_history():
-    profile = ChatProfile(HistoryRewritingTokenizer(tok()))
+def test_drift_check_reports_a_template_that_rewrites_history(caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.profiles.chat"):
+        profile = ChatProfile(HistoryRewritingTokenizer(tok()))
     assert profile.drift is not None and "token" in profile.drift  # seen at start-up
+    assert "chat template check (parser qwen)" in caplog.text
     messages = [{"role": "user", "content": "Q"}]
     turns = [("<think>\nhmm\n</think>\n\n" + call("print(1)"), ["1"])]
     ours, theirs = incremental_ids(profile, messages, turns), full_render_ids(profile, messages, turns)
     assert ours != theirs and len(ours) > len(theirs)
+
+
+# Real chat templates, each read by the parser it names (tests/profiles/test_family_rollouts.py).
+NO_DRIFT = ["glm-4.5v", "glm-4.7-flash", "qwen-2.5", "qwen-3", "qwen-3.5", "deepseek-v3.1", "minimax"]
+
+
+@pytest.mark.parametrize("model", NO_DRIFT)
+def test_real_templates_of_each_family_show_no_false_drift(model, caplog):
+    # the check writes the conversation in the template's own rendering of the family's calls
+    with caplog.at_level(logging.WARNING, logger="engine.profiles.chat"):
+        profile = ChatProfile(load_tokenizer(offline_tokenizer_dir(model)))
+    assert profile.tool_parser in {"glm45", "glm47", "qwen", "qwen3_coder", "deepseekv31", "minimax-m2"}
+    assert profile.drift is None and "chat template" not in caplog.text, profile.drift
+
+
+@pytest.mark.parametrize("model", ["glm-4.7-flash", "qwen-3.5", "minimax"])
+def test_a_family_template_that_drops_past_reasoning_is_reported(model, caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.profiles.chat"):
+        profile = ChatProfile(HistoryRewritingTokenizer(load_tokenizer(offline_tokenizer_dir(model))))
+    assert profile.drift is not None and "token" in profile.drift, profile.drift
+    assert "chat template check" in caplog.text
+
+
+@pytest.mark.parametrize("model", ["deepseek-r1", "qwq-32b"])
+def test_real_templates_that_drop_the_reasoning_of_past_turns_are_reported(model):
+    # R1's and QwQ's templates open <think> in the prompt but render past turns without it
+    drift = ChatProfile(load_tokenizer(offline_tokenizer_dir(model))).drift
+    assert drift is not None and "rewrites the turn it prompts for" in drift and "<think>" in drift, drift
+
+
+def test_a_parser_that_does_not_read_the_template_s_calls_is_reported():
+    # hermes configured for GLM-4.7: its calls would all be read as final answers
+    profile = ChatProfile(load_tokenizer(offline_tokenizer_dir("glm-4.7-flash")), tool_parser="hermes")
+    assert profile.drift is not None and "the hermes parser" in profile.drift and "<arg_key>" in profile.drift
+    assert ChatProfile(tok(), tool_parser="hermes").drift is None  # the same parser on Qwen3's template: nothing
+
+
+def test_tool_results_follow_a_turn_with_calls_where_the_template_demands_one():
+    # MiniMax's template refuses tool messages after an assistant turn without tool_calls
+    profile = ChatProfile(load_tokenizer(offline_tokenizer_dir("minimax")))
+    assert profile.closer == "[e~["
+    assert profile.tool_delta(["42", "x"]) == "[e~[\n]~b]tool\n<response>42</response>\n<response>x</response>[e~[\n]~b]ai\n<think>\n"
 
 
 def test_surplus_calls_are_answered_with_an_error_not_dropped(fake_interpreter):
