@@ -3,7 +3,9 @@
 Calls are read by the parser of that SGLang name (`engine.profiles.parsers`; default: the one
 the chat template's markup names, else hermes). A call inside `<think>...</think>` is not
 run. A turn without a call is the final answer; one that holds a call in another family's
-format is an answer too, but marked (`Turn.foreign`) so runs count it.
+format is an answer too, but marked (`Turn.foreign`) so runs count it, even where that call
+shares the configured family's tags (a GLM body in hermes's `<tool_call>`): a block the
+configured parser cannot read but another family reads whole is that family's call.
 
 The prompt is `apply_chat_template(messages, tools=..., add_generation_prompt=True)`.
 After a model turn, only the appended delta is tokenized: the template's glue around the
@@ -87,10 +89,14 @@ class ChatProfile:
         _, acting = parsers.split_reasoning(text) if self.parser.reasoning else ("", text)
         schemas = registered_schemas()
         parsed = self.parser.parse(acting, schemas)
-        if parsed.calls:
+        foreign = None
+        if not parsed.calls or all(c.error == "malformed_call" for c in parsed.calls):
+            # None read, or only blocks this format cannot read: another family's well-formed call
+            # (GLM's `<tool_call>name<arg_key>...` under hermes) is that family's, not a broken one of ours.
+            foreign = parsers.foreign_format(acting, self.tool_parser, schemas, offered=bool(parsed.calls))
+        if parsed.calls and foreign is None:
             return Turn("tool", calls=parsed.calls)
         answer = ANSWER_RE.search(text)
-        foreign = parsers.foreign_format(acting, self.tool_parser, schemas)
         return Turn("answer", answer=answer.group(1).strip() if answer else None, foreign=foreign)
 
     def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:

@@ -14,7 +14,7 @@ from engine.profiles.chat import ChatProfile, full_render_ids, incremental_ids, 
 from engine.profiles.tokenizer import load_tokenizer, offline_tokenizer_dir
 from engine.loop.runtime import Runtime
 from tests.conftest import run
-from tests.support.helpers import SAMPLING, URL, ScriptedServer, tok, turn
+from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, tok, turn
 
 
 def call(code: str) -> str:
@@ -181,3 +181,34 @@ def test_hermes_parsing():
     assert bad.calls[0].error == "malformed_call"
     unclosed = parse_hermes_turn('<tool_call>{"name": "x"')
     assert unclosed.calls[0].error == "malformed_call"
+
+
+def test_a_glm_call_under_hermes_ends_the_sample_as_a_counted_answer_a_broken_json_one_gets_an_error(fake_interpreter):
+    from engine import slime
+    from engine.local.sample import Sample
+    from engine.trace.paths import flow_table
+    from engine.trace.summary import format_summary, summarize
+
+    glm = "Let me check.\n<tool_call>code_interpreter<arg_key>code</arg_key><arg_value>print(6*7)</arg_value></tool_call>"
+    broken = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(6*7)"\n</tool_call>'
+    scripts = [[turn(glm)], [turn(broken), turn("It is 42.\nAnswer: \\boxed{42}")]]
+    samples = []
+    for script in scripts:
+        server = ScriptedServer(script)
+        sample = Sample(prompt="What is 6 * 7?", label="42")
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=server)
+            run(slime.generate(make_args(engine_profile="chat", engine_tool_parser="hermes", engine_tools=["code_interpreter"]),
+                               sample, dict(SAMPLING)))
+        samples.append(sample)
+    foreign, malformed = (s.metadata["fsm"] for s in samples)
+    # GLM's call in hermes's tags: read as the answer (the tool never ran), the turn marked glm47
+    assert samples[0].status == Sample.Status.COMPLETED and fake_interpreter.codes == []
+    assert [t.get("foreign_format") for t in foreign["turns"]] == ["glm47"]
+    # hermes JSON cut short: an error observation, and the model goes on to answer
+    assert malformed["tool_stats"]["errors"] == {"malformed_call": 1} and len(malformed["turns"]) == 2
+    assert not any(t.get("foreign_format") for t in malformed["turns"])
+    dicts = [s.to_dict() for s in samples]
+    shown = format_summary(summarize(dicts))
+    assert "answers that look like calls of another format:\n  glm47" in shown
+    assert "answers that look like calls of another format:\n  glm47  1" in flow_table(dicts)

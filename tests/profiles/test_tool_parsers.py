@@ -132,3 +132,31 @@ def test_the_default_parser_is_chosen_from_the_template_and_logged_once(qwen3, c
         ChatProfile(qwen3)
     lines = [r.getMessage() for r in caplog.records if "tool parser" in r.getMessage()]
     assert lines == ["tool parser qwen (from the chat template); set engine_tool_parser to choose"]
+
+
+@pytest.mark.parametrize("family", ["glm45", "glm47", "qwen3_coder"])
+def test_another_family_s_body_in_hermes_s_own_tags_is_an_answer_marked_foreign(qwen3, family: str) -> None:
+    # GLM and Qwen3-Coder write <tool_call> too: hermes cannot read the body, their parsers read it whole
+    profile = ChatProfile(qwen3, tool_parser="hermes")
+    text = "Let me check.\n" + RENDER[family](ONE)
+    assert get_tool_parser("hermes").parse(text, SCHEMAS).calls[0].error == "malformed_call"  # the parser alone
+    turn = profile.parse_turn(text)
+    assert turn.action == "answer" and not turn.calls and turn.foreign in {"glm47", "qwen3_coder"}
+    assert turn.foreign == ("qwen3_coder" if family == "qwen3_coder" else "glm47")
+
+
+def test_hermes_json_under_glm47_is_foreign_and_the_other_way_round(qwen3) -> None:
+    assert ChatProfile(qwen3, tool_parser="glm47").parse_turn(RENDER["hermes"](ONE)).foreign == "hermes"
+    assert ChatProfile(qwen3, tool_parser="qwen3_coder").parse_turn(RENDER["glm47"](ONE)).foreign == "glm47"
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"\n</tool_call>',  # JSON cut short
+    '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "x = [f(1)]"\n</tool_call>',  # ...holding a pythonic-looking list
+    "<tool_call>\nprint(1)\n</tool_call>",  # no JSON at all
+    '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n',  # never closed
+])
+def test_a_genuinely_malformed_hermes_call_is_still_an_error(qwen3, text: str) -> None:
+    turn = ChatProfile(qwen3, tool_parser="hermes").parse_turn(text)
+    assert turn.action == "tool" and turn.foreign is None
+    assert [c.error for c in turn.calls] == ["malformed_call"]

@@ -163,10 +163,12 @@ def split_reasoning(text: str) -> tuple[str, str]:
     return reasoning, text
 
 
-def foreign_format(text: str, configured: str, schemas: Schemas) -> str | None:
-    """The native family whose well-formed call `text` holds, when the configured parser saw none.
+def foreign_format(text: str, configured: str, schemas: Schemas, *, offered: bool = False) -> str | None:
+    """The native family whose well-formed call `text` holds, when the configured parser read none.
 
     Such a turn is read as text (the answer), as configured; this names it so runs can count it.
+    `offered`: only a reading whose calls all name tools in `schemas` counts (the stronger evidence
+    asked before a block the configured parser found malformed is taken for another family's).
     """
     mine = _family(get_tool_parser(configured))
     for name in ("hermes", "qwen3_coder", "glm47", "minimax-m2", "deepseekv3", "deepseekv31", "kimi_k2", "gpt-oss",
@@ -178,7 +180,7 @@ def foreign_format(text: str, configured: str, schemas: Schemas) -> str | None:
             parsed = parser.parse(text, schemas)
         except Exception:
             continue
-        if parsed.calls and all(c.error is None for c in parsed.calls):
+        if parsed.calls and all(c.error is None and (not offered or c.name in schemas) for c in parsed.calls):
             return name
     return None
 
