@@ -235,10 +235,9 @@ def assistant_turn(form: tuple[bool, bool, bool], reasoning: str, content: str, 
 
 
 def tool_messages(turn: dict[str, Any], contents: list[str]) -> list[dict[str, Any]]:
-    """One tool message per content, answering the turn's calls in order (the last one for any surplus)."""
-    ids = [c["id"] for c in turn.get("tool_calls") or ()] or ["call00000"]
-    return [{"role": "tool", "tool_call_id": ids[min(i, len(ids) - 1)], "name": "code_interpreter", "content": c}
-            for i, c in enumerate(contents)]
+    """One tool message per content. No name nor call id: the probe turn's would not be the model's
+    (a template that shows them, Kimi's or Mistral's, would show the wrong ones)."""
+    return [{"role": "tool", "content": c} for c in contents]
 
 
 def turn_end(profile: ChatProfile, rendered: str) -> int:

@@ -31,6 +31,8 @@ FAMILIES = {
                       f"<arg_value>{CODE}</arg_value></tool_call>", "<|observation|><tool_response>"),
     "qwen-3.5": ("qwen3_coder", "I should run it.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=code_interpreter>\n"
                  f"<parameter=code>\n{CODE}\n</parameter>\n</function>\n</tool_call>", "<|im_start|>user\n<tool_response>"),
+    "minimax": ("minimax-m2", "I should run it.\n</think>\n\nLet me check.\n<minimax:tool_call>\n<invoke name=\"code_interpreter\">\n"
+                f'<parameter name="code">{CODE}</parameter>\n</invoke>\n</minimax:tool_call>', "]~b]tool\n<response>"),
     "deepseek-v3.1": ("deepseekv31", "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>code_interpreter<｜tool▁sep｜>"
                       f'{{"code": "print(\'héllo 世界 🦜\', 6 * 7)"}}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "<｜tool▁output▁begin｜>"),
 }
