@@ -17,6 +17,7 @@ class ToolCall:
     arguments: Any = attrs.field(factory=dict)
     error: str | None = None  # e.g. "malformed_call": answered with an error observation
     detail: str = ""  # what was wrong, for the model to read
+    id: str | None = attrs.field(default=None, eq=False)  # the call's id where the format writes one (Mistral, Kimi K2)
 
 
 @attrs.frozen

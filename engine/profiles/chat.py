@@ -67,7 +67,8 @@ class ChatProfile:
         self.parser = parsers.get_tool_parser(self.tool_parser)  # an unknown name: ValueError listing the known
         self.tokenizer = tokenizer
         self.codec = Codec(tokenizer)
-        self._glue: tuple[dict[str, Any], str] | None = None  # the turn tool_delta renders, its text from the sentinel on
+        self._glue: tuple[dict[str, Any], str, Form] | None = None  # the turn tool_delta renders, its text from the sentinel on
+        self.shows_calls = False  # whether the template shows a result's call (name, id): then the glue is per turn
         self.eos = tokenizer.eos_token
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos)
         # The token that ends an assistant turn followed by tool results, as the template writes it
@@ -114,7 +115,7 @@ class ChatProfile:
 
         specials = self.codec.special_pattern
         held = [specials.sub(hold, c) for c in contents] if specials is not None else contents
-        delta = self.tool_delta(held)
+        delta = self.tool_delta(held, [r.call for r in results])
         closed = last_token is None or last_token == self.closer_id
         text = delta[len(self.closer):] if closed and self.closer else delta
         if not found:
@@ -132,11 +133,21 @@ class ChatProfile:
         match = specials.match(delta) if specials is not None else None
         return match.group() if match else None
 
-    def tool_delta(self, contents: list[str]) -> str:
-        """Text the template puts after an assistant turn's text for these tool messages, its closing token included."""
+    def tool_delta(self, contents: list[str], calls: list[ToolCall] | None = None) -> str:
+        """Text the template puts after an assistant turn's text for these tool messages, its closing
+        token included. The messages answer `calls` (their names and ids, where the format wrote
+        ids) when the template shows those with a result (Mistral's call ids); else a stand-in."""
         if self._glue is None:
-            self._glue = glue_turn(self)
-        turn, tail = self._glue
+            self._glue = glue_turn(self, _PROBE_CALLS)
+            self.shows_calls = self._delta(["x"], self._glue) != self._delta(["x"], glue_turn(self, _OTHER_CALLS))
+        glue = self._glue
+        if calls and self.shows_calls:  # one more render per observation, only for such templates
+            glue = glue_turn(self, [(c.name or "tool", c.id or f"call{i:05d}", c.arguments if not c.error else {})
+                                    for i, c in enumerate(calls)], forms=(self._glue[2],))
+        return self._delta(contents, glue)
+
+    def _delta(self, contents: list[str], glue: tuple[dict[str, Any], str, Form]) -> str:
+        turn, tail, _ = glue
         messages = [_PROBE_USER, turn, *tool_messages(turn, contents)]
         full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         at = full.find(tail)
@@ -214,30 +225,41 @@ _PROBE_TOOL = {
 # How templates want an assistant turn with calls, most usual first: arguments as an object or as
 # JSON text (DeepSeek concatenates them), content given or None (DeepSeek-V3 renders calls only
 # without content); last, content alone (a template that renders no `tool_calls`).
-_FORMS: tuple[tuple[bool, bool, bool], ...] = (  # (arguments as text, content None, with calls)
-    (False, False, True), (True, False, True), (False, True, True), (True, True, True), (False, False, False),
-)
+Form = tuple[bool, bool, bool]  # (arguments as text, content None, with calls)
+_FORMS: tuple[Form, ...] = ((False, False, True), (True, False, True), (False, True, True), (True, True, True),
+                            (False, False, False))
+Call = tuple[str, str, Any]  # (name, id, arguments)
+_PROBE_CALLS: list[Call] = [("code_interpreter", "call00000", {"code": "print(1)"})]  # 9 alphanumerics, as Mistral's ids
+_OTHER_CALLS: list[Call] = [("other_tool", "call99999", {"code": "print(1)"})]
 
 
-def assistant_turn(form: tuple[bool, bool, bool], reasoning: str, content: str, codes: list[str], first_id: int = 0) -> dict[str, Any]:
-    """An assistant message calling code_interpreter once per code, in one of `_FORMS`."""
+def code_calls(codes: list[str], first_id: int = 0) -> list[Call]:
+    """code_interpreter calls of these codes, with ids."""
+    return [("code_interpreter", f"call{first_id + i:05d}", {"code": c}) for i, c in enumerate(codes)]
+
+
+def assistant_turn(form: Form, reasoning: str, content: str, calls: list[Call]) -> dict[str, Any]:
+    """An assistant message making these calls, in one of `_FORMS`."""
     as_text, no_content, with_calls = form
     message: dict[str, Any] = {"role": "assistant", "content": None if no_content else content}
     if reasoning:
         message["reasoning_content"] = reasoning
     if with_calls:
         message["tool_calls"] = [
-            {"id": f"call{first_id + i:05d}", "type": "function",  # 9 alphanumerics: what Mistral's templates demand
-             "function": {"name": "code_interpreter", "arguments": json.dumps({"code": c}) if as_text else {"code": c}}}
-            for i, c in enumerate(codes)
+            {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a) if as_text else a}}
+            for n, i, a in calls
         ]
     return message
 
 
 def tool_messages(turn: dict[str, Any], contents: list[str]) -> list[dict[str, Any]]:
-    """One tool message per content. No name nor call id: the probe turn's would not be the model's
-    (a template that shows them, Kimi's or Mistral's, would show the wrong ones)."""
-    return [{"role": "tool", "content": c} for c in contents]
+    """One tool message per content, answering the turn's calls in order (its name and id; a
+    surplus result, the last call's)."""
+    calls = turn.get("tool_calls") or ()
+    if not calls:
+        return [{"role": "tool", "content": c} for c in contents]
+    return [{"role": "tool", "tool_call_id": calls[min(i, len(calls) - 1)]["id"],
+             "name": calls[min(i, len(calls) - 1)]["function"]["name"], "content": c} for i, c in enumerate(contents)]
 
 
 def turn_end(profile: ChatProfile, rendered: str) -> int:
@@ -252,27 +274,31 @@ def turn_end(profile: ChatProfile, rendered: str) -> int:
     return last.start() if last is not None and not rendered[last.end():].strip() else len(rendered)
 
 
-def glue_turn(profile: ChatProfile) -> tuple[dict[str, Any], str]:
-    """The assistant turn `tool_delta` renders before the tool messages (a sentinel for content),
-    in the first form the template renders both alone and followed by a tool message, and its
-    text from the sentinel to the turn's end (the calls as the template writes them): the glue
-    is what follows that text. What a template rewrites before the content (reasoning) is moot."""
+def glue_turn(profile: ChatProfile, calls: list[Call], forms: tuple[Form, ...] = _FORMS) -> tuple[dict[str, Any], str, Form]:
+    """The assistant turn `tool_delta` renders before the tool messages, making `calls`, in the
+    first form the template renders both alone and followed by a tool message; its text from the
+    content (a sentinel; without content, the generation prompt's end) to the turn's end (the calls
+    as the template writes them), the glue being what follows that text; and the form. What a
+    template rewrites before the content (reasoning) is moot."""
     errors = []
-    for form in (f for f in _FORMS if not f[1]):
-        turn = assistant_turn(form, "", _SENTINEL, ["print(1)"])
+    prompt = None
+    for form in forms:
+        turn = assistant_turn(form, "", _SENTINEL, calls)
         try:
             alone = profile.tokenizer.apply_chat_template([_PROBE_USER, turn], tokenize=False)
             full = profile.tokenizer.apply_chat_template([_PROBE_USER, turn, *tool_messages(turn, ["y"])],
                                                          tokenize=False, add_generation_prompt=True)
+            if form[1] and prompt is None:
+                prompt = profile.tokenizer.apply_chat_template([_PROBE_USER], tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # this template wants another form
             errors.append(f"{type(exc).__name__}: {exc}")
             continue
-        at = alone.find(_SENTINEL)
+        at = alone.find(_SENTINEL) if not form[1] else (len(prompt) if prompt and alone.startswith(prompt) else -1)
         tail = alone[at:turn_end(profile, alone)] if at >= 0 else ""
         if tail and tail in full:
-            return turn, tail
+            return turn, tail, form
         errors.append("the turn renders differently once a tool message follows it")
-    raise ValueError(f"the chat template cannot render tool results after an assistant turn: {errors[-1]}")
+    raise ValueError(f"the chat template cannot render tool results after an assistant turn: {errors[-1] if errors else 'no form'}")
 
 
 def template_drift(profile: ChatProfile) -> str | None:
@@ -312,8 +338,8 @@ def _drift(profile: ChatProfile) -> str | None:
     schemas = {"code_interpreter": _PROBE_TOOL["function"]["parameters"]}
     shown = None
     for form in _FORMS[:-1]:
-        first = assistant_turn(form, "I should use the tool.", "Let me check.", ["print(6 * 7)"])
-        second = assistant_turn(form, "Once more, twice.", "", ["print(6 * 7)", "print('é')"], first_id=1)
+        first = assistant_turn(form, "I should use the tool.", "Let me check.", code_calls(["print(6 * 7)"]))
+        second = assistant_turn(form, "Once more, twice.", "", code_calls(["print(6 * 7)", "print('é')"], first_id=1))
         try:
             text = _model_text(profile, [_PROBE_USER], first)
         except _Parted as exc:
@@ -340,7 +366,8 @@ def _drift(profile: ChatProfile) -> str | None:
         except _Parted as exc:
             return str(exc)
         ours += profile.encode(text) + [end]
-        ours += profile.observation_ids(Turn("tool"), [CallResult(ToolCall("code_interpreter"), o) for o in outputs], end)
+        made = [ToolCall(c["function"]["name"], id=c["id"]) for c in turn["tool_calls"]]
+        ours += profile.observation_ids(Turn("tool"), [CallResult(made[min(i, len(made) - 1)], o) for i, o in enumerate(outputs)], end)
         convo += [turn, *tool_messages(turn, outputs)]
     theirs = profile.encode(_render(profile, convo, True))
     if ours == theirs:

@@ -125,6 +125,7 @@ def test_real_templates_of_each_family_show_no_false_drift(model, caplog):
         profile = ChatProfile(load_tokenizer(offline_tokenizer_dir(model)))
     assert profile.tool_parser in {"glm45", "glm47", "qwen", "qwen3_coder", "deepseekv31", "minimax-m2"}
     assert profile.drift is None and "chat template" not in caplog.text, profile.drift
+    assert not profile.shows_calls  # results render without the call's name or id: one render per observation
 
 
 @pytest.mark.parametrize("model", ["glm-4.7-flash", "qwen-3.5", "minimax"])

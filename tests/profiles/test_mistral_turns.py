@@ -1,20 +1,20 @@
-"""Mistral's tool-call turns as Mistral's own renderer writes them (PyPI `mistral-common`, its
-tokenizers shipped in the package: v3 and v7 SentencePiece, v3 Tekken; nothing is downloaded).
+"""Mistral's tool-call turns against Mistral's own renderer (PyPI `mistral-common`, its tokenizers
+shipped in the package: v3 and v7 SentencePiece, v3 Tekken; nothing is downloaded).
 
 What the engine relies on for this family, checked against the real token ids: the turn with
 calls is `[TOOL_CALLS]` and the JSON array, ended by the EOS `</s>` (the token the chat profile
 keeps as the turn's end); the `mistral` parser reads those calls (several, non-ASCII arguments,
 with or without the space Tekken leaves out); the results follow the EOS in no role
-(`[TOOL_RESULTS]`, no `[INST]`) and the model goes on.
+(`[TOOL_RESULTS]`, no `[INST]`), each naming the model's call id, and the model goes on.
 
-Not a whole rollout: mistral-common is not a Hugging Face tokenizer with a chat template (its
-transformers wrapper renders SentencePiece pieces, not text), so the chat profile cannot load it;
-and a result names the model's call id, which the chat profile does not pass to the template.
+A whole rollout runs on a Mistral-v0.3-style tokenizer and template built from mistral-common's
+files (tests/support/mistral.py): the ids the engine sends are mistral-common's, token for token.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -89,3 +89,71 @@ def test_tekken_writes_no_space_after_the_marker_and_the_parser_reads_it_anyway(
     assert "[TOOL_CALLS][{" in text
     turn = text[text.index("[TOOL_CALLS]"):text.index("</s>", text.index("[TOOL_CALLS]")) + len("</s>")]
     assert [(c.name, c.arguments) for c in get_tool_parser("mistral").parse(turn, {}).calls] == [("code_interpreter", {"code": CODE})]
+
+
+def test_a_whole_mistral_rollout_is_mistral_common_s_render_token_for_token(fake_interpreter) -> None:
+    # A Mistral-v0.3-style tokenizer and template (tests/support/mistral.py): the prompt with the tool,
+    # the model's [TOOL_CALLS] turn ended by </s>, the result glued with the model's call id; the
+    # second request must be exactly mistral-common's render of the same conversation.
+    import respx
+
+    from engine import tools
+    from engine.config import EngineConfig, RetryPolicy
+    from engine.local.invariants import sample_violations
+    from engine.local.sample import Sample
+    from engine.loop.runtime import Runtime
+    from engine.slime import run_sample
+    from tests.conftest import run
+    from tests.profiles.test_family_rollouts import _reply
+    from tests.support.helpers import SAMPLING, URL, ScriptedServer
+    from tests.support.mistral import mistral_v3_tokenizer
+
+    tok = mistral_v3_tokenizer()
+    schema = tools.get("code_interpreter").schema()["function"]  # type: ignore[union-attr]
+    call_text = '[TOOL_CALLS] [{"name": "code_interpreter", "arguments": ' + json.dumps({"code": CODE}, ensure_ascii=False) + ', "id": "a1b2c3d4e"}]'
+    call_ids = tok(call_text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    answer_ids = tok(" It printed 42. Answer: \\boxed{42}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    server = ScriptedServer([_reply(call_ids, call_text), _reply(answer_ids, "")])
+    cfg = EngineConfig(server_url=URL, profile="chat", max_context_len=4096, retry=RetryPolicy(max_attempts=1),
+                       tools=("code_interpreter",))
+    sample = Sample(prompt="What is 6 * 7? Use the tool.", label="42")
+
+    async def go() -> Any:
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=server)
+            rt = Runtime.create(cfg, tokenizer=tok)
+            await run_sample(rt, sample, dict(SAMPLING))
+            await rt.aclose()
+            return rt.profile
+
+    profile = run(go())
+    assert profile.tool_parser == "mistral" and profile.closer == "</s>"  # from the template
+    fsm = sample.metadata["fsm"]
+    assert sample.status == Sample.Status.COMPLETED and fake_interpreter.codes == [CODE], fsm
+    # mistral-common's own ids for the prompt, and for the conversation up to the next model turn
+    mt = MistralTokenizer.v3()
+    mistral_tool = Tool(function=Function(name="code_interpreter", description=schema["description"], parameters=schema["parameters"]))
+    user = UserMessage(content=sample.prompt)
+    prompt_ids = mt.encode_chat_completion(ChatCompletionRequest(messages=[user], tools=[mistral_tool])).tokens
+    call = ToolCall(id="a1b2c3d4e", function=FunctionCall(name="code_interpreter", arguments=json.dumps({"code": CODE})))
+    after = mt.encode_chat_completion(ChatCompletionRequest(tools=[mistral_tool], messages=[
+        user, AssistantMessage(tool_calls=[call]), ToolMessage(content=f"Output:\n{CODE}", tool_call_id="a1b2c3d4e")])).tokens
+    assert server.requests[0]["input_ids"] == prompt_ids
+    assert server.requests[1]["input_ids"] == after  # the model's turn as sent, </s> once, the result with its id
+    observation = after[len(prompt_ids) + len(call_ids):]
+    assert sample.tokens == after + answer_ids
+    assert sample.loss_mask == [1] * len(call_ids) + [0] * len(observation) + [1] * len(answer_ids)
+    assert "a1b2c3d4e" in profile.decode(observation) and observation[0] == mt.instruct_tokenizer.BEGIN_TOOL_RESULTS
+    assert sample_violations(sample, prompt_ids=prompt_ids, budget=4096, decode=profile.decode) == []
+
+
+def test_the_mistral_template_shows_no_drift_and_its_results_name_the_call() -> None:
+    from engine.profiles.base import ToolCall as EngineCall
+    from engine.profiles.chat import ChatProfile
+    from tests.support.mistral import mistral_v3_tokenizer
+
+    profile = ChatProfile(mistral_v3_tokenizer())
+    assert profile.drift is None and profile.shows_calls  # the glue is rendered per turn, with the calls' ids
+    delta = profile.tool_delta(["1", "2"], [EngineCall("code_interpreter", id="a1b2c3d4e"), EngineCall("lookup", id="f5g6h7i8j")])
+    assert delta == ('</s>[TOOL_RESULTS] {"content": "1", "call_id": "a1b2c3d4e"}[/TOOL_RESULTS]'
+                     '[TOOL_RESULTS] {"content": "2", "call_id": "f5g6h7i8j"}[/TOOL_RESULTS]')

@@ -160,3 +160,14 @@ def test_a_genuinely_malformed_hermes_call_is_still_an_error(qwen3, text: str) -
     turn = ChatProfile(qwen3, tool_parser="hermes").parse_turn(text)
     assert turn.action == "tool" and turn.foreign is None
     assert [c.error for c in turn.calls] == ["malformed_call"]
+
+
+def test_formats_that_write_call_ids_keep_them() -> None:
+    # a template may show the id with the result (Mistral's call_id); ids do not count in equality
+    mistral = get_tool_parser("mistral").parse('[TOOL_CALLS] [{"name": "code_interpreter", "arguments": {"code": "1"}, "id": "a1b2c3d4e"}]', {})
+    assert [c.id for c in mistral.calls] == ["a1b2c3d4e"]
+    compact = get_tool_parser("mistral").parse('[TOOL_CALLS]code_interpreter[CALL_ID]f5g6h7i8j[ARGS]{"code": "1"}', {})
+    assert [(c.name, c.id) for c in compact.calls] == [("code_interpreter", "f5g6h7i8j")]
+    kimi = get_tool_parser("kimi_k2").parse(RENDER["kimi_k2"](TWO), SCHEMAS)
+    assert [c.id for c in kimi.calls] == [f"functions.{n}:{i}" for i, (n, _) in enumerate(TWO)]
+    assert get_tool_parser("hermes").parse(RENDER["hermes"](ONE), SCHEMAS).calls[0].id is None

@@ -45,8 +45,9 @@ def malformed(detail: str, name: str = "") -> ToolCall:
     return ToolCall(name, error="malformed_call", detail=detail)
 
 
-def json_call(name: Any, arguments: Any) -> ToolCall:
-    """A call whose arguments the format wrote as JSON (an object, or a string holding one)."""
+def json_call(name: Any, arguments: Any, call_id: Any = None) -> ToolCall:
+    """A call whose arguments the format wrote as JSON (an object, or a string holding one);
+    `call_id`, the id the format gave it, if any (a template may show it with the result)."""
     if not isinstance(name, str) or not name:
         return malformed("a tool call needs a function name")
     if isinstance(arguments, str):
@@ -58,17 +59,17 @@ def json_call(name: Any, arguments: Any) -> ToolCall:
         arguments = {}
     if not isinstance(arguments, dict):
         return malformed(f"the arguments of {name} must be a JSON object, got {type(arguments).__name__}", name)
-    return ToolCall(name, arguments)
+    return ToolCall(name, arguments, id=call_id if isinstance(call_id, str) and call_id else None)
 
 
-def call_from_json_text(body: str, what: str, name: str | None = None) -> ToolCall:
+def call_from_json_text(body: str, what: str, name: str | None = None, call_id: str | None = None) -> ToolCall:
     """A call from JSON text: `{"name", "arguments"|"parameters"}`, or the arguments of `name`."""
     try:
         data = json.loads(body)
     except ValueError as exc:
         return malformed(f"{what} is not valid JSON: {exc}", name or "")
     if name is not None:
-        return json_call(name, data)
+        return json_call(name, data, call_id)
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return malformed(f'{what} must be a JSON object {{"name": ..., "arguments": {{...}}}}')
     arguments = data["arguments"] if "arguments" in data else data.get("parameters", {})

@@ -83,7 +83,7 @@ class MistralParser:
     name = "mistral"
     reasoning = True
     _MARK = "[TOOL_CALLS]"
-    _COMPACT = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
+    _COMPACT = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\]([^\[]*))?\[ARGS\]")
 
     def parse(self, text: str, schemas: Schemas) -> ParsedTurn:
         at = text.find(self._MARK)
@@ -105,7 +105,7 @@ class MistralParser:
                 items = data if isinstance(data, list) else [data]
                 for item in items:
                     if isinstance(item, dict) and isinstance(item.get("name"), str):
-                        calls.append(json_call(item["name"], item.get("arguments", item.get("parameters", {}))))
+                        calls.append(json_call(item["name"], item.get("arguments", item.get("parameters", {})), item.get("id")))
                     else:
                         calls.append(malformed('each tool call must be {"name": ..., "arguments": {...}}'))
                 rest = stripped[end:].lstrip()
@@ -120,7 +120,7 @@ class MistralParser:
                 except ValueError as exc:
                     calls.append(malformed(f"the arguments of {match.group(1)} are not valid JSON: {exc}", match.group(1)))
                     break
-                calls.append(json_call(match.group(1), data))
+                calls.append(json_call(match.group(1), data, (match.group(2) or "").strip()))
                 rest = args[end:].lstrip()
             trailing = rest if not rest.startswith(self._MARK) else ""
         for end_token in ("</s>",):
@@ -198,4 +198,4 @@ class KimiK2Parser(SectionParser):
         match = self._ID.match(ident.strip())
         if not sep or match is None:
             return malformed(f"a tool call must be functions.NAME:N{self.ARGS}{{arguments}}")
-        return call_from_json_text(args.strip(), f"the arguments of {match.group(1)}", match.group(1))
+        return call_from_json_text(args.strip(), f"the arguments of {match.group(1)}", match.group(1), ident.strip())
