@@ -15,7 +15,9 @@ never the model's own tokens, which stay exactly the server's. The glue tokens g
 The delta is learnt from the template itself: it renders an assistant turn with a tool
 call, once alone and once followed by tool messages; what the second adds after the
 turn's text is the glue, so any template that renders tool messages works (MiniMax's
-refuses tool messages after a turn without calls). Whether the incremental token stream
+refuses tool messages after a turn without calls). A template that shows a result's call
+(Mistral's call id) gets the model's calls in that turn, rendered per observation. Whether the
+incremental token stream
 equals a full render is checked once per tokenizer (`template_drift`) on a conversation
 in the template's own rendering of each family's calls, and reported when it does not:
 such a template rewrites past turns (drops their reasoning, say).
@@ -141,9 +143,12 @@ class ChatProfile:
             self._glue = glue_turn(self, _PROBE_CALLS)
             self.shows_calls = self._delta(["x"], self._glue) != self._delta(["x"], glue_turn(self, _OTHER_CALLS))
         glue = self._glue
-        if calls and self.shows_calls:  # one more render per observation, only for such templates
-            glue = glue_turn(self, [(c.name or "tool", c.id or f"call{i:05d}", c.arguments if not c.error else {})
-                                    for i, c in enumerate(calls)], forms=(self._glue[2],))
+        if calls and self.shows_calls:  # two more renders per observation, only for such templates
+            made = [(c.name or "tool", c.id or f"call{i:05d}", c.arguments if not c.error else {}) for i, c in enumerate(calls)]
+            try:
+                glue = glue_turn(self, made, forms=(self._glue[2],))
+            except ValueError:  # the template refuses the model's calls (an id it finds malformed): the stand-in's
+                glue = self._glue
         return self._delta(contents, glue)
 
     def _delta(self, contents: list[str], glue: tuple[dict[str, Any], str, Form]) -> str:

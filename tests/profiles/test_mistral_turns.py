@@ -157,3 +157,12 @@ def test_the_mistral_template_shows_no_drift_and_its_results_name_the_call() -> 
     delta = profile.tool_delta(["1", "2"], [EngineCall("code_interpreter", id="a1b2c3d4e"), EngineCall("lookup", id="f5g6h7i8j")])
     assert delta == ('</s>[TOOL_RESULTS] {"content": "1", "call_id": "a1b2c3d4e"}[/TOOL_RESULTS]'
                      '[TOOL_RESULTS] {"content": "2", "call_id": "f5g6h7i8j"}[/TOOL_RESULTS]')
+
+
+def test_a_call_id_the_template_refuses_falls_back_to_a_stand_in() -> None:
+    from engine.profiles.base import ToolCall as EngineCall
+    from engine.profiles.chat import ChatProfile
+    from tests.support.mistral import mistral_v3_tokenizer
+
+    delta = ChatProfile(mistral_v3_tokenizer()).tool_delta(["1"], [EngineCall("code_interpreter", id="short")])
+    assert delta == '</s>[TOOL_RESULTS] {"content": "1", "call_id": "call00000"}[/TOOL_RESULTS]'  # not an exception
