@@ -86,21 +86,27 @@ def usable_reply(content: bytes, vocab_size: int = 2**31) -> tuple[list[int], li
 
 @attrs.define
 class WireRecorder:
-    """An httpx response hook: the usable `/generate` replies each sample got, in order."""
+    """httpx event hooks: the usable `/generate` replies each sample got, in order.
+
+    `on_request` sees every request, answered or not: a request from the bare prompt starts a
+    new attempt (the engine re-runs the sample from RESET), so only the replies from there on
+    can be in the sample, even when that request itself is never answered (a timeout).
+    """
 
     replies: dict[str, list[tuple[list[int], list[float]]]] = attrs.Factory(lambda: collections.defaultdict(list))
     prompt_lengths: dict[str, int] = attrs.Factory(dict)
 
+    async def on_request(self, request: httpx.Request) -> None:
+        key = request.headers.get(ROUTING_HEADER)
+        if key is None or not request.url.path.endswith("/generate"):
+            return
+        sent = len(json.loads(request.content).get("input_ids") or [])
+        if sent <= self.prompt_lengths.setdefault(key, sent):
+            self.replies[key].clear()
+
     async def __call__(self, response: httpx.Response) -> None:
         key = response.request.headers.get(ROUTING_HEADER)
-        if key is None or not response.request.url.path.endswith("/generate"):
-            return
-        sent = len(json.loads(response.request.content).get("input_ids") or [])
-        if sent <= self.prompt_lengths.setdefault(key, sent):
-            # A request from the bare prompt: the engine re-runs the sample from RESET (a new
-            # attempt), so only the replies from here on can be in the sample.
-            self.replies[key].clear()
-        if response.status_code != 200:
+        if key is None or not response.request.url.path.endswith("/generate") or response.status_code != 200:
             return
         reply = usable_reply(await response.aread())  # read once; the client then reuses the bytes
         if reply is not None:
@@ -274,6 +280,7 @@ async def roll(result: SoakResult, cfg: EngineConfig, prompts: list[dict[str, An
     """Run every sample, check each as it finishes; returns the client's retries."""
     recorder = WireRecorder()
     http = make_http_client(cfg)
+    http.add_event_hook("request", recorder.on_request)
     http.add_event_hook("response", recorder)
     rt = Runtime.create(cfg, http=http)
     checker = SampleChecker(rt, recorder)

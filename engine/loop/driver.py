@@ -63,6 +63,9 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
     started = time.perf_counter()
     input_length = r.traj.total_length
     experts_start = r.traj.routed_rows if r.traj.experts is not None else None
+    # The last turn's scratch (its reply, text and parse) is read by nothing from here on: let it
+    # go now rather than hold it for as long as the server takes to answer.
+    r.turn = TurnScratch()
     # The trajectory itself, so the client reuses the sample's encoded prompt instead of encoding it again.
     outcome = await rt.client.generate(
         r.traj, r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key,
@@ -70,7 +73,6 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
     )
     r.record.generation_time += time.perf_counter() - started
     if isinstance(outcome, Failure):
-        r.turn = TurnScratch()
         r.record.error = f"{outcome.kind}: {outcome.message}"
         return FAILURE_TRIGGERS[outcome.kind]
     outcome = check_reply(r, outcome, input_length, experts_start)

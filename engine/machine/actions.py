@@ -78,12 +78,9 @@ def _log_turn(r: Rollout, appended: bool = True) -> None:
     r.turn_count += 1
     if reply is not None and reply.weight_version is not None:
         r.record.weight_versions.append(str(reply.weight_version))
-    segment = r.traj.segments[-1] if appended and reply is not None and reply.ids and r.traj.segments else None
     r.record.turn_log.append(
         {
             "turn": r.turn_count,
-            # The turn's tokens in the response, [start, end): per-turn rewards are read against it.
-            "span": (segment.start, segment.end) if segment is not None and segment.kind == "model" else None,
             "tokens": len(reply.ids) if reply is not None and appended else 0,
             "max_new_tokens": r.max_new_tokens,
             "finish": reply.finish if reply is not None else None,
@@ -139,12 +136,30 @@ def record_env_reply(r: Rollout) -> None:
         r.record.env_reason = reply.reason
 
 
+_SHARED: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _shared(names: tuple[Any, ...]) -> tuple[Any, ...]:
+    """One tuple object for every turn that names the same tools (or errors): a few kinds repeat."""
+    known = _SHARED.get(names)
+    if known is not None:
+        return known
+    if len(_SHARED) < 4096:
+        _SHARED[names] = names
+    return names
+
+
 def add_turn_reward(r: Rollout, reward: float | None) -> None:
     """Add `reward` to the last model turn's (several tool calls of one turn add theirs up)."""
     if reward is None or not r.record.turn_log:
         return
     last = r.record.turn_log[-1]
     last["reward"] = (last.get("reward") or 0.0) + float(reward)
+    if "span" not in last:
+        # The scored turn's tokens in the response, [start, end), kept only for a turn with a
+        # reward: one more key on every turn's dict would double its table.
+        model = next((s for s in reversed(r.traj.segments) if s.kind == "model"), None) if last.get("tokens") else None
+        last["span"] = (model.start, model.end) if model is not None else None
 
 
 def append_user_turn(r: Rollout) -> None:
@@ -160,8 +175,8 @@ def append_observation(r: Rollout) -> None:
     if r.record.turn_log:
         r.record.turn_log[-1]["observation_tokens"] = len(r.turn.observation_ids)
         # Tuples: a turn's dict then holds no container the collector must keep walking.
-        r.record.turn_log[-1]["tools"] = tuple(res.call.name for res in r.turn.results)
-        r.record.turn_log[-1]["errors"] = tuple(res.error for res in r.turn.results)
+        r.record.turn_log[-1]["tools"] = _shared(tuple(res.call.name for res in r.turn.results))
+        r.record.turn_log[-1]["errors"] = _shared(tuple(res.error for res in r.turn.results))
     for res in r.turn.results:
         add_turn_reward(r, res.reward)
 

@@ -65,7 +65,16 @@ class _NoCookies(httpx.Cookies):
 
 
 class EngineClient(httpx.AsyncClient):
-    """`httpx.AsyncClient` without a cookie jar; everything else is httpx's."""
+    """`httpx.AsyncClient` without a cookie jar, whose `send` is one exchange.
+
+    The engine never authenticates, never follows a redirect (it reports one) and keeps no
+    cookie, so `send` skips the auth flow, the redirect loop and the cookie extraction that
+    httpx runs for every request (the larger part of its client's price per request). What
+    a user or a test plugs into httpx keeps working: event hooks run as in httpx, and the
+    transport is the one httpx picks for the URL (`_transport_for_url`: mounts, and the seam
+    respx's httpx mocker patches). A request with auth or redirects to follow goes through
+    httpx's own `send`.
+    """
 
     _jar = _NoCookies()  # empty for good: one for every client
 
@@ -77,6 +86,30 @@ class EngineClient(httpx.AsyncClient):
     def cookies(self, cookies: Any) -> None:
         if cookies:
             raise ValueError("the engine's HTTP client keeps no cookies")
+
+    async def send(self, request: httpx.Request, *, stream: bool = False, auth: Any = httpx.USE_CLIENT_DEFAULT,
+                   follow_redirects: Any = httpx.USE_CLIENT_DEFAULT) -> httpx.Response:
+        """Send `request` once: request hooks, the URL's transport, response hooks, the body read."""
+        if self.auth is not None or auth is not httpx.USE_CLIENT_DEFAULT or follow_redirects is True:
+            return await super().send(request, stream=stream, auth=auth, follow_redirects=follow_redirects)
+        if self.is_closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        if "timeout" not in request.extensions:
+            request.extensions["timeout"] = self.timeout.as_dict()
+        hooks = self.event_hooks
+        for hook in hooks["request"]:
+            await hook(request)
+        response = await self._transport_for_url(request.url).handle_async_request(request)
+        response.request = request
+        try:
+            for hook in hooks["response"]:
+                await hook(response)
+            if not stream:
+                await response.aread()
+        except BaseException:
+            await response.aclose()
+            raise
+        return response
 
 
 class HttpPool:

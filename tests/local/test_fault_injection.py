@@ -214,3 +214,24 @@ def test_soak_refuses_a_bad_fault_spec(capsys: pytest.CaptureFixture[str]) -> No
     ns = argparse.Namespace(samples=1, concurrency=1, faults="http500=7", seed=0, json=False)
     assert main_soak(ns) == 2
     assert "--faults" in capsys.readouterr().err
+
+
+def test_the_wire_record_starts_again_at_a_new_attempt_even_when_its_first_request_is_never_answered() -> None:
+    """An attempt whose first request timed out holds none of the earlier attempt's replies."""
+    from engine.local.soak import WireRecorder
+
+    def request(ids: list[int]) -> httpx.Request:
+        return httpx.Request("POST", "http://127.0.0.1:1/generate", headers={"X-SMG-Routing-Key": "s"},
+                             content=json.dumps({"input_ids": ids}).encode())
+
+    reply = {"text": "", "output_ids": [7], "meta_info": {"finish_reason": {"type": "stop"},
+                                                         "output_token_logprobs": [[-0.5, 7, None]]}}
+    recorder = WireRecorder()
+    first = request([1, 2, 3])
+    run(recorder.on_request(first))
+    run(recorder(httpx.Response(200, json=reply, request=first)))
+    assert recorder.replies["s"] == [([7], [-0.5])]
+    run(recorder.on_request(request([1, 2, 3])))  # the next attempt, from the bare prompt: no answer comes
+    assert recorder.replies["s"] == []
+    run(recorder.on_request(request([1, 2, 3, 7])))  # a later turn of the same attempt keeps what it has
+    assert recorder.prompt_lengths["s"] == 3

@@ -3,11 +3,10 @@
 Each sample is built the way the engine builds it: a `Rollout`, its prompt reset into
 the `Trajectory`, then turns of model tokens (through the `append_model_turn` action,
 from a parsed `Reply`, so the turn log is kept too) and observations (through
-`append_observation`), until the response holds `memory_tokens` tokens. The sample also
-keeps what the driver leaves on it between turns (the last turn's scratch: the reply, let go
-of its ids and logprobs once they are in the trajectory, and the turn's decoded text; the
-response text is made only when the sample ends) and what the HTTP client keeps for it (its
-prompt's ids, encoded once). Traced bytes (tracemalloc) of everything still alive, divided by
+`append_observation`), until the response holds `memory_tokens` tokens. While its request
+waits the sample holds no turn's scratch (the driver lets the last one go before it sends; the
+response text is made only when the sample ends), and the HTTP client keeps for it its
+prompt's ids, encoded once. Traced bytes (tracemalloc) of everything still alive, divided by
 the number of samples, are added to what one such sample's request holds while it waits for
 its reply, measured on a real loopback socket (`in_flight_request_bytes`: the body is made
 when the transport writes it and held by nothing after). The sum is compared with the raw size
@@ -77,6 +76,7 @@ def build_sample(cfg: EngineConfig, tokens: int, client: SGLangClient | None = N
         a.append_observation(r)
         turn += 1
     r.traj.trim(tokens)
+    r.turn = TurnScratch()  # the driver lets the last turn's scratch go before it sends the next request
     return r
 
 
@@ -226,10 +226,6 @@ def memory_figure(sizes: Sizes) -> Figure:
         client._bodies.clear()
         gc.collect()
         without_prompt = tracemalloc.get_traced_memory()[0]
-        for r in samples:  # what the last turn's scratch (reply, turn text) alone holds
-            r.turn = TurnScratch()
-        gc.collect()
-        without_reply = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
     in_flight, body = in_flight_request_bytes(tokens)
@@ -242,8 +238,7 @@ def memory_figure(sizes: Sizes) -> Figure:
         "memory", f"bytes per in-flight sample, {tokens}-token response, its request waiting ({n} samples)",
         per_sample, "B", float(raw), "ids+logprobs+mask as Python lists", "value", "<=", float(320 << 10), 1,
         {"array_payload_bytes": arrays, "in_flight_request_bytes": in_flight, "request_body_bytes": body,
-         "encoded_prompt_bytes": (after - without_prompt) / n, "last_turn_bytes": (without_prompt - without_reply) / n,
-         "turns": one.turn_count, "bytes_per_token": per_sample / tokens},
+         "encoded_prompt_bytes": (after - without_prompt) / n, "turns": one.turn_count, "bytes_per_token": per_sample / tokens},
     )
 
 
