@@ -90,7 +90,8 @@ class EngineClient(httpx.AsyncClient):
     async def send(self, request: httpx.Request, *, stream: bool = False, auth: Any = httpx.USE_CLIENT_DEFAULT,
                    follow_redirects: Any = httpx.USE_CLIENT_DEFAULT) -> httpx.Response:
         """Send `request` once: request hooks, the URL's transport, response hooks, the body read."""
-        if self.auth is not None or auth is not httpx.USE_CLIENT_DEFAULT or follow_redirects is True:
+        follow = self.follow_redirects if follow_redirects is httpx.USE_CLIENT_DEFAULT else follow_redirects
+        if self.auth is not None or auth is not httpx.USE_CLIENT_DEFAULT or follow:
             return await super().send(request, stream=stream, auth=auth, follow_redirects=follow_redirects)
         if self.is_closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")

@@ -237,3 +237,35 @@ def test_abort_flag_stops_50_samples_in_tool_calls_before_their_next_generation(
     # and they resume: the observation is kept, the next turn is generated
     attempt(samples[0], [turn(ANSWER)])
     assert samples[0].status == Sample.Status.COMPLETED and "Output:\n1" in samples[0].response
+
+
+def test_a_cancel_while_a_request_waits_counts_only_the_turns_that_came_back(fake_interpreter):
+    """The request in flight is no turn yet: the checkpoint counts the one answered turn, no fewer."""
+    s = Sample(prompt=PROMPT)
+    answered = ScriptedServer([turn(CODE, weight_version="v1")])
+
+    async def go() -> None:
+        waiting = asyncio.Event()
+
+        async def server(request: httpx.Request) -> httpx.Response:
+            if not answered.requests:
+                return answered(request)
+            waiting.set()
+            await asyncio.sleep(3600)
+            raise AssertionError("never answered")
+
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=server)
+            args = make_args(partial_rollout=True, engine_abort_status="aborted")
+            task = asyncio.ensure_future(slime.generate(args, s, dict(SAMPLING)))
+            await waiting.wait()
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    run(go())
+    fsm = s.metadata["fsm"]
+    assert s.status == Sample.Status.ABORTED and fsm["trace"][-1][0] == "GENERATE"
+    assert fsm["checkpoint"]["turns"] == 1 and fsm["checkpoint"]["resume_at"] == "generate"

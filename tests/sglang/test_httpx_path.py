@@ -131,3 +131,14 @@ def test_what_the_engine_never_asks_for_still_goes_through_httpx_s_own_send() ->
 
     status, seen = asyncio.run(go())
     assert status == 200 and len(seen) == 2 and seen[0]["authorization"].startswith("Basic ")
+
+
+def test_a_client_made_to_follow_redirects_follows_them() -> None:
+    async def go() -> tuple[int, int]:
+        async with LoopbackServer([send(307, b"", {"Location": "/generate"}), send(200, b"{}")]) as server:
+            client = EngineClient(transport=AsyncioTransport(4), trust_env=False, follow_redirects=True)
+            response = await client.send(httpx.Request("POST", server.url + "/generate", content=b"{}"))
+            await client.aclose()
+            return response.status_code, len(server.generates)
+
+    assert asyncio.run(go()) == (200, 2)
