@@ -293,19 +293,15 @@ async def _until(predicate: Any, timeout: float, what: str) -> None:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     """A head and a second node on this machine, joined by this process; torn down whatever happened."""
-    ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
-    from ray.cluster_utils import Cluster
+    pytest.importorskip("ray", reason="the `ray` extra is not installed")
+    from engine.local.cluster import loopback_cluster
 
     node = {"num_cpus": 2, "resources": {RESOURCE: 2}, "object_store_memory": 80 << 20}
-    c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    try:
-        c.add_node(**node)
-        ray.init(address=c.address, log_to_driver=False)
-        yield c
-    finally:
-        backend.shutdown()
-        ray.shutdown()
-        c.shutdown()
+    with loopback_cluster(2, **node) as c:
+        try:
+            yield c
+        finally:
+            backend.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +345,48 @@ def _check(samples: list[Sample], prompt: list[int], tok: Any) -> list[dict[str,
         assert "Output:\n42" in s.response
         stats.append(engine_metadata(s)["tool_stats"])
     return stats
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int]]:
+    """(host address, pid) of every TCP socket the processes listen on, from /proc."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes[link[8:-1]] = pid
+        except OSError:
+            continue  # gone meanwhile
+    found: list[tuple[str, int]] = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    raw = bytes.fromhex(fields[1].split(":")[0])
+                    # /proc writes each 32-bit word of the address in host (little-endian) order
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    host = socket.inet_ntop(socket.AF_INET if len(words) == 4 else socket.AF_INET6, words)
+                    found.append((host, inodes[fields[9]]))
+    return found
+
+
+def _loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
+
+
+def test_the_test_cluster_listens_on_loopback_only(cluster: Any) -> None:
+    import ray
+
+    def pid() -> int:
+        return os.getpid()
+
+    assert ray.get([ray.remote(pid).remote() for _ in range(2)])  # a worker process is up on a node
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
+    listening = _listening(set(_descendants(os.getpid())))
+    assert len({pid for _, pid in listening}) >= 3  # the GCS and both raylets at least
+    assert [(host, pid) for host, pid in listening if not _loopback(host)] == []
 
 
 @pytest.mark.slow

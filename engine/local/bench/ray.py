@@ -1,4 +1,4 @@
-"""Figure 7: sandboxed calls on Ray, on a two-node Ray test cluster started on this machine.
+"""Figure 7: sandboxed calls on Ray, on a two-node Ray test cluster started on this machine (loopback only).
 
 Row `ray_spread`: K calls that each sleep s seconds in the sandbox, all issued at once to a
 pool of W one-call workers that Ray placed on two nodes. The ideal is `s * ceil(K / W)`:
@@ -57,22 +57,17 @@ def ray_figures(sizes: Sizes) -> list[Figure]:
     if importlib.util.find_spec("ray") is None:
         return [Figure("ray_spread", "sandbox on Ray: skipped, `ray` is not installed", math.nan, "s", None, "-",
                        None, None, None, 0, {"skipped": "pip install 'fsm-rollout-engine[ray]'"})]
-    import ray
-    from ray.cluster_utils import Cluster
+    from engine.local.cluster import loopback_cluster
 
     rs = RaySizes.of(sizes)
     per_node = math.ceil(rs.workers / 2)
     node = {"num_cpus": per_node, "resources": {RESOURCE: per_node}, "object_store_memory": 80 << 20}
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    try:
-        cluster.add_node(**node)
-        ray.init(address=cluster.address, log_to_driver=False)
-        backend.configure("ray", backend.RaySettings(workers=rs.workers, cpus=1, resource=RESOURCE, queue=rs.calls))
-        return asyncio.run(_measure(rs))
-    finally:
-        backend.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+    with loopback_cluster(2, **node):
+        try:
+            backend.configure("ray", backend.RaySettings(workers=rs.workers, cpus=1, resource=RESOURCE, queue=rs.calls))
+            return asyncio.run(_measure(rs))
+        finally:
+            backend.shutdown()
 
 
 async def _measure(rs: RaySizes) -> list[Figure]:
