@@ -77,6 +77,8 @@ class ChatProfile:
         # (Qwen: <|im_end|>, GLM: <|observation|>, DeepSeek: its EOS); a model that emitted it keeps it.
         self.closer = self._closer()
         self.closer_id = tokenizer.convert_tokens_to_ids(self.closer) if self.closer else None
+        # Every token that closes a turn with calls: the template's, and the family's others the vocabulary holds.
+        self.closer_ids = frozenset({self.closer_id} if self.closer_id is not None else ()) | self._turn_end_ids()
         self.drift = template_drift(self)
         if self.drift is not None and (self.tool_parser, self.drift) not in _WARNED:  # once per process, not per profile
             _WARNED.add((self.tool_parser, self.drift))
@@ -118,7 +120,7 @@ class ChatProfile:
         specials = self.codec.special_pattern
         held = [specials.sub(hold, c) for c in contents] if specials is not None else contents
         delta = self.tool_delta(held, [r.call for r in results])
-        closed = last_token is None or last_token == self.closer_id
+        closed = last_token is None or last_token in self.closer_ids
         text = delta[len(self.closer):] if closed and self.closer else delta
         if not found:
             return self.encode(text)
@@ -127,6 +129,12 @@ class ChatProfile:
         for i, part in enumerate(parts):
             ids += self.encode(part) if i % 2 == 0 else self.codec.encode_plain(found[int(part)])
         return ids
+
+    def _turn_end_ids(self) -> frozenset[int]:
+        """Ids of the parser's other turn-ending tokens (`turn_ends`) that are special tokens here."""
+        specials = self.codec.special_pattern
+        found = [t for t in getattr(self.parser, "turn_ends", ()) if specials is not None and specials.fullmatch(t)]
+        return frozenset(self.tokenizer.convert_tokens_to_ids(found))
 
     def _closer(self) -> str | None:
         """The special token the template puts right after an assistant turn's text, before tool results."""

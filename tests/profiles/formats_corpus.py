@@ -177,6 +177,11 @@ def cases() -> list[dict[str, Any]]:
         text, sglang = MALFORMED[parser]
         add("malformed", text, f"engine_error/{sglang}", [["code_interpreter", {"code": "print(1)"}]])
         add("cut", _cut(render(ONE)), f"engine_error/{CUT_SGLANG.get(parser, 'no_call')}", [list(c) for c in ONE])
+        if parser == "llama3":
+            # Llama 3.1 also ends a call with <|eom_id|>; Meta's built-in code interpreter writes bare code
+            # after <|python_tag|>, which neither reads as a call
+            add("eom_kept", render(ONE) + "<|eom_id|>", "agree/stop_in_sglang_text")
+            add("builtin_code", "<|python_tag|>print(6*7)<|eom_id|>", "text")
         if parser == "qwen3_coder":  # a </parameter> left out before the next tag: unambiguous, read by both
             add("unclosed_parameter", render(TWO).replace("\n</parameter>\n<parameter=days>", "\n<parameter=days>"))
         add("unknown_tool", render([("web_search", {"query": "x"})]), "unknown_tool")

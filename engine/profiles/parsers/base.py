@@ -30,6 +30,11 @@ class ToolParser(Protocol):
 
     name: str
     reasoning: bool  # whether `<think>...</think>` is split off before `parse` (harmony has its own channels)
+    # Optional (read with a default of ()): special tokens other than the one the chat template
+    # closes a turn with that also end the model's turn with calls (Llama 3.1's `<|eom_id|>`
+    # beside the template's `<|eot_id|>`). A turn the server ended with one keeps it, and the
+    # tool results follow it without the template's closing token.
+    turn_ends: tuple[str, ...]
 
     def parse(self, text: str, schemas: Schemas) -> ParsedTurn:
         """Read one turn (reasoning already split off). Never raises on any text."""

@@ -37,6 +37,9 @@ class Llama3Parser:
 
     name = "llama3"
     reasoning = True
+    # Meta's ChatFormat ends a call turn with <|eom_id|> where the model awaits a result
+    # ("Environment: ipython"), with <|eot_id|> otherwise; both are in Llama 3.1's stop ids.
+    turn_ends = ("<|eom_id|>",)
     _ENDS = ("<|eot_id|>", "<|eom_id|>")
 
     def parse(self, text: str, schemas: Schemas) -> ParsedTurn:
