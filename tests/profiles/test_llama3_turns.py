@@ -88,17 +88,12 @@ def test_the_template_renders_what_meta_encodes() -> None:
 def test_a_whole_llama_rollout_is_meta_s_encoding_token_for_token(closer: str) -> None:
     # The model's call turn (Meta's ids, closed by `closer`), the result glued by the template's
     # delta; the second request must be exactly ChatFormat's encoding of the same dialog.
-    import respx
-
     from engine import tools
     from engine.config import EngineConfig, RetryPolicy
     from engine.local.invariants import sample_violations
     from engine.local.sample import Sample
-    from engine.loop.runtime import Runtime
-    from engine.slime import run_sample
-    from tests.conftest import run
     from tests.profiles.test_family_rollouts import _reply
-    from tests.support.helpers import SAMPLING, URL, ScriptedServer
+    from tests.support.helpers import URL, ScriptedServer
     from tests.support.llama3 import llama31_tokenizer
 
     class Lookup(tools.Tool):
@@ -124,16 +119,8 @@ def test_a_whole_llama_rollout_is_meta_s_encoding_token_for_token(closer: str) -
                        retry=RetryPolicy(max_attempts=1), tools=("lookup",))
     sample = Sample(prompt=[{"role": "user", "content": "What does it print? Look it up."}], label="42")
 
-    async def go() -> Any:
-        with respx.mock(assert_all_called=False) as mock:
-            mock.post(URL + "/generate").mock(side_effect=server)
-            rt = Runtime.create(cfg, tokenizer=tok)
-            await run_sample(rt, sample, dict(SAMPLING))
-            await rt.aclose()
-            return rt.profile
-
     with tools.registry.registered(Lookup()) as lookup:
-        profile = run(go())
+        profile = server.roll_out(cfg, tok, sample)
     fsm = sample.metadata["fsm"]
     assert sample.status == Sample.Status.COMPLETED and lookup.seen == [QUERY], fsm
     assert profile.closer == "<|eot_id|>" and profile.drift is None

@@ -14,7 +14,6 @@ files (tests/support/mistral.py): the ids the engine sends are mistral-common's,
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 
@@ -95,17 +94,13 @@ def test_a_whole_mistral_rollout_is_mistral_common_s_render_token_for_token(fake
     # A Mistral-v0.3-style tokenizer and template (tests/support/mistral.py): the prompt with the tool,
     # the model's [TOOL_CALLS] turn ended by </s>, the result glued with the model's call id; the
     # second request must be exactly mistral-common's render of the same conversation.
-    import respx
 
     from engine import tools
     from engine.config import EngineConfig, RetryPolicy
     from engine.local.invariants import sample_violations
     from engine.local.sample import Sample
-    from engine.loop.runtime import Runtime
-    from engine.slime import run_sample
-    from tests.conftest import run
     from tests.profiles.test_family_rollouts import _reply
-    from tests.support.helpers import SAMPLING, URL, ScriptedServer
+    from tests.support.helpers import URL, ScriptedServer
     from tests.support.mistral import mistral_v3_tokenizer
 
     tok = mistral_v3_tokenizer()
@@ -118,15 +113,7 @@ def test_a_whole_mistral_rollout_is_mistral_common_s_render_token_for_token(fake
                        tools=("code_interpreter",))
     sample = Sample(prompt="What is 6 * 7? Use the tool.", label="42")
 
-    async def go() -> Any:
-        with respx.mock(assert_all_called=False) as mock:
-            mock.post(URL + "/generate").mock(side_effect=server)
-            rt = Runtime.create(cfg, tokenizer=tok)
-            await run_sample(rt, sample, dict(SAMPLING))
-            await rt.aclose()
-            return rt.profile
-
-    profile = run(go())
+    profile = server.roll_out(cfg, tok, sample)
     assert profile.tool_parser == "mistral" and profile.closer == "</s>"  # from the template
     fsm = sample.metadata["fsm"]
     assert sample.status == Sample.Status.COMPLETED and fake_interpreter.codes == [CODE], fsm

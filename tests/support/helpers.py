@@ -101,6 +101,28 @@ class ScriptedServer:
             return item(payload)
         return item
 
+    def roll_out(self, config: Any, tokenizer: Any, sample: Any) -> Any:
+        """Run `sample` through a runtime built from `config` and `tokenizer`, with this script
+        answering `/generate` at URL; the runtime's profile, for the caller's checks."""
+        import asyncio
+
+        import respx
+
+        from engine.loop.runtime import Runtime
+        from engine.slime import run_sample
+
+        async def go() -> Any:
+            with respx.mock(assert_all_called=False) as mock:
+                mock.post(URL + "/generate").mock(side_effect=self)
+                rt = Runtime.create(config, tokenizer=tokenizer)
+                try:
+                    await run_sample(rt, sample, dict(SAMPLING))
+                finally:
+                    await rt.aclose()
+                return rt.profile
+
+        return asyncio.run(go())
+
 
 def make_args(**overrides: Any) -> argparse.Namespace:
     """slime's args as a generate function sees them, pointed at the mocked server."""
