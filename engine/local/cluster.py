@@ -5,7 +5,7 @@ its raylets every interface: a test would open ports to the network it runs on. 
 127.0.0.1 for every node, the driver's address included, when it is told clusters are not
 enabled (the switch macOS and Windows use), which this module sets for the cluster's lifetime:
 in the environment, so every Ray process started from here inherits it, and in Ray's constants,
-which an earlier `import ray` in this process has already read.
+which `import ray` in this process has already read.
 """
 
 from __future__ import annotations
@@ -26,17 +26,16 @@ def loopback_cluster(nodes: int, **node_args: Any) -> Iterator[Any]:
     yield the `Cluster`; on exit leave the cluster, stop every node and restore the switch."""
     if nodes < 1:
         raise ValueError(f"a cluster needs at least one node, not {nodes}")
-    before = os.environ.get(_CLUSTER_SWITCH)
-    os.environ[_CLUSTER_SWITCH] = "0"
     import ray
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
-    switch = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    before, switch = os.environ.get(_CLUSTER_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
     node = {**node_args, "node_ip_address": LOOPBACK}
     cluster = None
     try:
+        os.environ[_CLUSTER_SWITCH] = "0"  # for the Ray processes started below
+        ray_constants.ENABLE_RAY_CLUSTER = False  # for this one, which read the environment at import
         cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
         for _ in range(nodes - 1):
             cluster.add_node(**node)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -104,8 +105,6 @@ class ScriptedServer:
     def roll_out(self, config: Any, tokenizer: Any, sample: Any) -> Any:
         """Run `sample` through a runtime built from `config` and `tokenizer`, with this script
         answering `/generate` at URL; the runtime's profile, for the caller's checks."""
-        import asyncio
-
         import respx
 
         from engine.loop.runtime import Runtime

@@ -10,7 +10,9 @@ is not taken on trust.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
+import os
 from typing import Any
 
 # What the system message says before the tools' schemas (a JSON object per line).
@@ -19,7 +21,7 @@ TOOLS_PREAMBLE = ("You may call a function by answering with one JSON object "
 
 TEMPLATE = """{{- bos_token -}}
 {%- if tools -%}
-{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + preamble -}}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + __PREAMBLE__ -}}
 {%- for t in tools -%}{%- set f = t.function if t.function is defined else t -%}{{- f | tojson + '\\n' -}}{%- endfor -%}
 {{- '<|eot_id|>' -}}
 {%- endif -%}
@@ -59,14 +61,11 @@ def llama31_tokenizer() -> Any:
     specials = [name for name, _ in sorted(meta.special_tokens.items(), key=lambda kv: kv[1])]
     converted = TikTokenConverter(vocab_file=_model_file(), pattern=meta.pat_str, extra_special_tokens=specials).converted()
     tok = PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
-    tok.chat_template = TEMPLATE.replace("preamble", json.dumps(TOOLS_PREAMBLE))
+    tok.chat_template = TEMPLATE.replace("__PREAMBLE__", json.dumps(TOOLS_PREAMBLE))  # a Jinja string literal
     return tok
 
 
 def _model_file() -> str:
-    import importlib.util
-    import os
-
     spec = importlib.util.find_spec("llama_models")
     assert spec is not None and spec.origin is not None
     return os.path.join(os.path.dirname(spec.origin), "llama3", "tokenizer.model")

@@ -14,6 +14,7 @@ dispatch and the host are tested without Ray.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import signal
@@ -373,16 +374,17 @@ def _listening(pids: set[int]) -> list[tuple[str, int]]:
 
 
 def _loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
+    ip = ipaddress.ip_address(host)
+    return ip.is_loopback or (isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
 def test_the_test_cluster_listens_on_loopback_only(cluster: Any) -> None:
     import ray
 
-    def pid() -> int:
+    def worker_pid() -> int:
         return os.getpid()
 
-    assert ray.get([ray.remote(pid).remote() for _ in range(2)])  # a worker process is up on a node
+    assert ray.get([ray.remote(worker_pid).remote() for _ in range(2)])  # a worker process is up on a node
     assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
     listening = _listening(set(_descendants(os.getpid())))
     assert len({pid for _, pid in listening}) >= 3  # the GCS and both raylets at least
