@@ -205,7 +205,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     settings.add_argument("--out", metavar="PATH", help="write the whole page here (default: print the tables)")
     settings.add_argument("--check", action="store_true", help="fail if the page at --out is not current")
 
-    attacks = command("attacks", _lazy("engine.tools.sandbox.attacks.suite:main_attacks"), "run the sandbox attack suite and print what was contained")
+    attacks = command("attacks", _lazy("engine.sandbox.attacks.suite:main_attacks"), "run the sandbox attack suite and print what was contained")
     attacks.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 

@@ -584,7 +584,7 @@ class EngineConfig:
     # slime's fully-async worker is the caller: it re-queues ABORTED groups
     fully_async: bool = derived_field(("rollout_function_path",), fully_async, default=False)
     # Where sandboxed tool code runs: "local" (this machine) or "ray" (a pool of workers on the
-    # Ray cluster; see engine.tools.sandbox.backend). The sandbox_* settings size and place that pool.
+    # Ray cluster; see engine.sandbox.backend). The sandbox_* settings size and place that pool.
     sandbox_backend: str = setting_field("engine_sandbox_backend")
     sandbox_workers: int = setting_field("engine_sandbox_workers")
     sandbox_worker_cpus: float = setting_field("engine_sandbox_worker_cpus")
@@ -593,7 +593,7 @@ class EngineConfig:
 
     @sandbox_backend.validator
     def _check_sandbox_backend(self, attribute: Any, value: str) -> None:
-        from engine.tools.sandbox.backend import check_backend  # refuses "ray" where ray is not installed
+        from engine.sandbox.backend import check_backend  # refuses "ray" where ray is not installed
 
         check_backend(value)
 

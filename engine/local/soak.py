@@ -43,7 +43,7 @@ from engine.loop.runtime import Runtime
 from engine.local.sample import Sample
 from engine.slime.sample_io import engine_metadata
 from engine.slime import run_sample
-from engine.tools.sandbox.runner import LOCK_DIR, UID_BASE, UID_COUNT
+from engine.sandbox.runner import LOCK_DIR, UID_BASE, UID_COUNT
 
 MAX_TURNS = 8
 REQUEST_TIMEOUT = 2.0  # seconds; an injected stall (3 s by default) must outlast it

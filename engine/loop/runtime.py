@@ -295,7 +295,7 @@ def configure_sandbox(cfg: EngineConfig) -> None:
     The backend is the process's (one pool of Ray workers serves every runtime of it), so it is
     set here once per settings rather than carried per call.
     """
-    from engine.tools.sandbox import backend
+    from engine.sandbox import backend
 
     backend.configure(cfg.sandbox_backend, backend.RaySettings(
         cfg.sandbox_workers, cfg.sandbox_worker_cpus, cfg.sandbox_resource, cfg.sandbox_queue))

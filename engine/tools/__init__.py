@@ -3,7 +3,7 @@
 Write a tool in one file: subclass `Tool` (or decorate an async function with `@tool`),
 `register` it at import, and name the module in `engine_tool_modules`. It gets a state of its
 own in the rollout machine, the diagrams and the edge-coverage test. `engine.tools.registry` holds
-the rest (argument checking, test helpers); `engine.tools.sandbox` is the isolation the built-ins
+the rest (argument checking, test helpers); `engine.sandbox` is the isolation the built-ins
 run model-written code in, and no tool author needs to open it.
 
 Built-ins: `code_interpreter` (Python in an isolated subprocess, as slime's retool example

@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 
 import attrs
 
-from engine.tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
-from engine.tools.sandbox import backend
-from engine.tools.sandbox.probing import probe
-from engine.tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
+from engine.tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, count, register
+from engine.sandbox import backend
+from engine.sandbox.probing import probe
+from engine.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 
 _TRACEBACK = "Traceback (most recent call last):\n"
 
@@ -97,11 +97,19 @@ class CodeInterpreter(Tool):
             raise ToolError("bad_arguments", "Error: No code provided")
         await require_sandbox()
         limits = attrs.evolve(self.limits, timeout_s=call_timeout(self.limits.timeout_s))
-        try:
-            result = await backend.run(code, limits)
-        except SandboxError as e:
-            raise ToolUnavailable(f"the sandbox failed: {e}") from e
-        return format_result(result, limits.timeout_s)
+        return format_result(await run_sandboxed(code, limits), limits.timeout_s)
+
+
+async def run_sandboxed(code: str, limits: SandboxLimits, *, stdin: bytes | None = None,
+                        session_key: str | None = None) -> SandboxResult:
+    """Run `code` on the configured sandbox backend, in a tool's terms: a sandbox that breaks down
+    is `ToolUnavailable` (not the model's error), a call the backend could not answer a `ToolError`."""
+    try:
+        return await backend.run(code, limits, stdin=stdin, session_key=session_key, count=count)
+    except SandboxError as e:
+        raise ToolUnavailable(f"the sandbox failed: {e}") from e
+    except backend.CallFailed as e:
+        raise ToolError(e.kind, e.message) from None
 
 
 async def sandbox_check() -> str | None:

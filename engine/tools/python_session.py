@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 import attrs
 
-from engine.tools.code_interpreter import current_limits, format_result, require_sandbox, sandbox_check
-from engine.tools.registry import Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, register
-from engine.tools.sandbox import backend
-from engine.tools.sandbox.runner import SandboxError, SandboxLimits
+from engine.tools.code_interpreter import current_limits, format_result, require_sandbox, run_sandboxed, sandbox_check
+from engine.tools.registry import Tool, ToolError, ToolResult, call_timeout, register
+from engine.sandbox import backend
+from engine.sandbox.runner import SandboxLimits
 
 # Runs in the sandbox; reads the cells as JSON on stdin, so no code is pasted into code.
 _REPLAY = r"""
@@ -101,10 +101,7 @@ class PythonSession(Tool):
         limits = attrs.evolve(base, timeout_s=call_timeout(base.timeout_s))
         async with state.lock:
             cells = [*state.cells, code]
-            try:
-                result = await backend.run(_REPLAY, limits, stdin=json.dumps(cells).encode(), session_key=state.key)
-            except SandboxError as e:
-                raise ToolUnavailable(f"the sandbox failed: {e}") from e
+            result = await run_sandboxed(_REPLAY, limits, stdin=json.dumps(cells).encode(), session_key=state.key)
             if result.returncode == 0 and not result.timed_out:
                 state.cells.append(code)
         return format_result(result, limits.timeout_s)

@@ -17,7 +17,7 @@ import respx
 
 from engine import slime
 from engine.local.sample import Sample
-from engine.tools.sandbox import UID_BASE, UID_COUNT
+from engine.sandbox import UID_BASE, UID_COUNT
 from tests.slime.slime_rules import slime_aborting
 from tests.support.helpers import IM_END, SAMPLING, URL, ScriptedServer, encode, make_args, reply_body
 

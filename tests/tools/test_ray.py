@@ -39,10 +39,10 @@ from engine.slime import generate, run_sample
 from engine.slime.sample_io import engine_metadata
 from tests.support.helpers import make_args
 from engine.tools.python_session import PythonSession
-from engine.tools.sandbox import backend
-from engine.tools.sandbox import host as host_protocol
-from engine.tools.sandbox.dispatch import Busy, Dispatcher, Slot
-from engine.tools.sandbox.runner import SandboxError, SandboxLimits
+from engine.sandbox import backend
+from engine.sandbox import host as host_protocol
+from engine.sandbox.dispatch import Busy, Dispatcher, Slot
+from engine.sandbox.runner import SandboxError, SandboxLimits
 
 WORKERS = 4
 RESOURCE = "sandbox"
@@ -181,7 +181,7 @@ def test_closing_the_pool_ends_every_wait_at_once() -> None:
 
 def test_the_engine_attaches_to_a_running_cluster_and_never_starts_one(monkeypatch: pytest.MonkeyPatch) -> None:
     ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
-    from engine.tools.sandbox import ray_pool
+    from engine.sandbox import ray_pool
 
     calls: list[dict[str, Any]] = []
 
@@ -206,7 +206,7 @@ def test_the_host_kills_its_runs_when_the_worker_end_closes() -> None:
     """The worker's end of the socket closing (its process died) makes the host kill every run and exit."""
     mine, theirs = socket.socketpair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    starter = subprocess.Popen([sys.executable, "-m", "engine.tools.sandbox.host", str(theirs.fileno())],
+    starter = subprocess.Popen([sys.executable, "-m", "engine.sandbox.host", str(theirs.fileno())],
                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     theirs.close()
     replies = mine.makefile("rb")
@@ -273,7 +273,7 @@ def _descendants(root: int) -> dict[int, int]:
 
 def _runs_the_code(pid: int) -> bool:
     """Whether the process is a sandboxed program: a child of the sandbox's zygote, run as a leased uid."""
-    from engine.tools.sandbox import UID_BASE, UID_COUNT
+    from engine.sandbox import UID_BASE, UID_COUNT
 
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -507,7 +507,7 @@ def test_a_cancelled_call_is_killed_on_its_worker(cluster: Any, server: CannedSe
 
 def test_a_reply_is_checked_again_on_this_side() -> None:
     pytest.importorskip("ray", reason="the `ray` extra is not installed")
-    from engine.tools.sandbox import ray_pool
+    from engine.sandbox import ray_pool
 
     limits = SandboxLimits(output_bytes=4)
     fields = {"stdout": "abcdefgh", "stderr": "xy", "returncode": 0, "timed_out": False, "truncated": False,

@@ -27,8 +27,8 @@ import attrs
 
 from engine.local.bench.common import Figure, Sizes, median, percentile
 from engine.local.bench.report import format_table
-from engine.tools.sandbox import backend
-from engine.tools.sandbox.runner import SandboxLimits, run_python
+from engine.sandbox import backend
+from engine.sandbox.runner import SandboxLimits, run_python
 
 RESOURCE = "sandbox"
 LIMITS = SandboxLimits(timeout_s=30)

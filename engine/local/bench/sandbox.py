@@ -35,7 +35,7 @@ from engine.local.bench.common import Figure, Sizes, median, percentile
 from engine.local.bench.rollout import bench_config, run_engine
 from engine.local.bench.server import CannedServer
 from engine.loop.runtime import Runtime
-from engine.tools.sandbox import SandboxLimits, capabilities, client, run_python
+from engine.sandbox import SandboxLimits, capabilities, client, run_python
 
 
 def sleep_code(seconds: float) -> str:
@@ -251,7 +251,7 @@ def latency_in_modes(runs: int) -> list[dict[str, Any]]:
     import tempfile
     from pathlib import Path
 
-    from engine.tools.sandbox.attacks import modes
+    from engine.sandbox.attacks import modes
 
     rows = []
     for mode in modes.MODES:

@@ -1,6 +1,6 @@
 """The attack suite in the three modes an engine runs in, one column each.
 
-`python -m engine.tools.sandbox.attacks.modes [--json] [--mode M ...]`, as root: runs
+`python -m engine.sandbox.attacks.modes [--json] [--mode M ...]`, as root: runs
 `python -m engine attacks --json` once per mode in a process of its own and prints one table
 with a column per mode (exit 1 when an attack outside the mode's `EXPECTED_GAPS` got through):
 
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.tools.sandbox.attacks.lab import PROJECT
+from engine.sandbox.attacks.lab import PROJECT
 
 NOBODY = 65534
 MODES = {

@@ -2,7 +2,7 @@
 unix socket and a UDP port of the engine, io_uring, chmod/utime/xattr of a host file, the
 engine's /proc entries.
 
-Registered on import (see `engine.tools.sandbox.attacks.suite`), after the others. Each target
+Registered on import (see `engine.sandbox.attacks.suite`), after the others. Each target
 is made reachable by file modes (a 0777 directory, a world-writable socket, a file the engine's
 own user owns), so that what stops the attack is a layer of the sandbox, never a permission
 bit. The verdict is read from outside: what the engine's sockets received, the file's stat.
@@ -15,7 +15,7 @@ import socket
 import tempfile
 import uuid
 
-from engine.tools.sandbox.attacks.lab import Lab, Verdict, attack
+from engine.sandbox.attacks.lab import Lab, Verdict, attack
 
 DENIED = {"EPERM", "EACCES", "ENOENT", "ESRCH", "ENOSYS"}
 

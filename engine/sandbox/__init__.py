@@ -5,8 +5,8 @@ that builds the isolation, the probe that checks it works here, the attack suite
 proves it). Tools call `run_python`; the engine calls `probe()` before rolling out.
 """
 
-from engine.tools.sandbox.probing import SandboxProbe, probe, probe_sync
-from engine.tools.sandbox.runner import (
+from engine.sandbox.probing import SandboxProbe, probe, probe_sync
+from engine.sandbox.runner import (
     LOCK_DIR,
     UID_BASE,
     UID_COUNT,

@@ -1,6 +1,6 @@
 """`python -m engine attacks`: hostile programs against the real code_interpreter sandbox.
 
-Every attack is model-style code run by `engine.tools.sandbox.runner.run_python` with the code
+Every attack is model-style code run by `engine.sandbox.runner.run_python` with the code
 interpreter's limits, shortened (a few seconds of timeout, a small memory limit where memory
 is the point). Whether it was contained is decided from what was observed - the errno the
 program got, the host's process table, files and free disk space, the signals the engine
@@ -29,18 +29,17 @@ import time
 
 import attrs
 
-from engine.tools.code_interpreter import current_limits
-from engine.tools.sandbox import runner as sandbox
-from engine.tools.sandbox.attacks.lab import ATTACKS, TIMEOUT_S, AttackFn, Lab, Outcome, Verdict, survivors
+from engine.sandbox import runner as sandbox
+from engine.sandbox.attacks.lab import ATTACKS, TIMEOUT_S, AttackFn, Lab, Outcome, Verdict, survivors
 
 
 def all_attacks() -> list[tuple[str, AttackFn]]:
     """Every registered attack (importing the two attack modules registers them)."""
-    # Imported in this order so the report starts with the attacks of tests/tools/test_sandbox.py.
-    from engine.tools.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
-    from engine.tools.sandbox.attacks import isolation  # noqa: F401
-    from engine.tools.sandbox.attacks import kernel  # noqa: F401
-    from engine.tools.sandbox.attacks import layers  # noqa: F401  (what Landlock and seccomp hold)
+    # Imported in this order so the report starts with the attacks of tests/sandbox/test_sandbox.py.
+    from engine.sandbox.attacks import resources  # noqa: F401, I001  (registers on import)
+    from engine.sandbox.attacks import isolation  # noqa: F401
+    from engine.sandbox.attacks import kernel  # noqa: F401
+    from engine.sandbox.attacks import layers  # noqa: F401  (what Landlock and seccomp hold)
 
     return list(ATTACKS)
 
@@ -61,8 +60,8 @@ async def run_attack(lab: Lab, name: str, fn: AttackFn) -> Outcome:
 
 
 def default_lab() -> Lab:
-    """A lab with the code interpreter's limits, the timeout shortened to `TIMEOUT_S`."""
-    return Lab(attrs.evolve(current_limits(), timeout_s=TIMEOUT_S))
+    """A lab with the sandbox's default limits (the code interpreter's), the timeout shortened to `TIMEOUT_S`."""
+    return Lab(sandbox.SandboxLimits(timeout_s=TIMEOUT_S))
 
 
 async def run_suite(names: list[str] | None = None, lab: Lab | None = None) -> list[Outcome]:

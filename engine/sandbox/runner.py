@@ -54,8 +54,8 @@ from typing import Any, NamedTuple
 import attrs
 from attrs import validators as v
 
-from engine.tools.sandbox import client
-from engine.tools.sandbox.child import SETUP_FAILED  # its exit code when it could not build the sandbox
+from engine.sandbox import client
+from engine.sandbox.child import SETUP_FAILED  # its exit code when it could not build the sandbox
 
 UID_BASE = 60000  # below systemd's DynamicUser range (61184..), inside a 16-bit userns map
 UID_COUNT = 1024
@@ -63,7 +63,7 @@ LOCK_DIR = "/run/engine-sandbox-uids"
 HIDDEN_PATHS = ("/root", "/home", "/run", "/var/tmp", "/dev/shm")
 # The engine's own checkout (source, data, checkpoints beside it) is hidden too, unless it
 # is installed inside the interpreter's prefix (then it is a library like any other).
-PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 SANDBOX_DIR = "/tmp/sandbox"  # the child's cwd when the mount namespace is available
 CGROUP_NAME = "engine-sandbox"  # the parent of the per-uid cgroups, under the engine's own
 _GIB, _MIB = 1 << 30, 1 << 20

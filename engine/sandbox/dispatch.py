@@ -1,6 +1,6 @@
 """Choosing a sandbox worker for a call: least loaded, sticky sessions, a bounded wait. No Ray in here.
 
-Kept apart from `engine.tools.sandbox.ray_pool` so the choice can be tested without a cluster, and
+Kept apart from `engine.sandbox.ray_pool` so the choice can be tested without a cluster, and
 without Ray installed. A `Slot` is one place in the pool; the worker filling it is replaced
 when lost, and `generation` tells the workers of one slot apart (a session held by a lost
 worker moves to another). Everything here runs on one event loop, so it needs no locks.
@@ -11,10 +11,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 from attrs import validators as v
+
+Counter = Callable[[str, float], None]  # adds to a statistic of the running call (a tool passes `tools.count`)
+
+
+def no_count(key: str, amount: float = 1) -> None:
+    """The counter of a call nobody counts."""
+
 
 MAX_SESSIONS = 65536  # sticky sessions remembered; the oldest is forgotten first (release forgets too)
 
@@ -33,6 +41,16 @@ class RaySettings:
     cpus: float = attrs.field(default=1.0, validator=v.gt(0))
     resource: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
     queue: int = attrs.field(default=256, validator=v.ge(0))
+
+
+class CallFailed(Exception):
+    """The backend could give this call no answer of the code's (`kind`: sandbox_busy, worker_hung,
+    worker_lost); the calling tool answers the model with an error observation of that kind."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
 
 
 class Busy(Exception):

@@ -2,7 +2,7 @@
 
 The tools call `run(code, limits, ...)` instead of `run_python`, and this one switch decides.
 With `ray`, a pool of sandbox workers (Ray actors, each running this package's own local
-sandbox) spreads the calls over the cluster's nodes; see `engine.tools.sandbox.ray_pool`. The
+sandbox) spreads the calls over the cluster's nodes; see `engine.sandbox.ray_pool`. The
 switch is process-wide, like the registered tools it serves, and set once by the engine
 from its settings (`engine_sandbox_backend` and friends). Ray itself is imported only
 when the `ray` backend is chosen, so the local path never needs it installed.
@@ -16,13 +16,16 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 
-from engine.tools.sandbox.dispatch import RaySettings
-from engine.tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
+from engine.sandbox.dispatch import CallFailed, Counter, RaySettings, no_count
+from engine.sandbox.runner import SandboxLimits, SandboxResult, run_python
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; importing it needs ray
-    from engine.tools.sandbox.ray_pool import RayPool
+    from engine.sandbox.ray_pool import RayPool
 
 log = logging.getLogger(__name__)
+
+__all__ = ["BACKENDS", "CallFailed", "RaySettings", "check_backend", "configure", "current", "describe", "forget",
+           "pool", "run", "shutdown"]
 
 BACKENDS = ("local", "ray")
 RAY_MISSING = (
@@ -67,7 +70,7 @@ def configure(kind: str, settings: RaySettings | None = None) -> None:
             wanted = settings or RaySettings()
             if _pool is None or _pool.closed or _pool.settings != wanted:
                 try:
-                    from engine.tools.sandbox.ray_pool import RayPool
+                    from engine.sandbox.ray_pool import RayPool
                 except ImportError as exc:  # installed but unimportable: same refusal, with the cause
                     raise ValueError(f"{RAY_MISSING} ({exc})") from exc
                 old, _pool = _pool, RayPool.start(wanted)
@@ -87,17 +90,18 @@ def pool() -> RayPool | None:
 
 
 async def run(code: str, limits: SandboxLimits, *, stdin: bytes | None = None,
-              session_key: str | None = None) -> SandboxResult:
+              session_key: str | None = None, count: Counter = no_count) -> SandboxResult:
     """Run `code` under `limits` on the configured backend; the same contract as `run_python`.
 
-    `session_key` keeps the calls of one stateful session on one Ray worker (ignored locally).
-    Raises `SandboxError` when the sandbox cannot run, `tools.ToolError` when a Ray worker was
-    lost or hung (the tool's caller turns it into an error observation).
+    `session_key` keeps the calls of one stateful session on one Ray worker (ignored locally);
+    `count` receives what the call's answer does not show (a wait for a worker, a retry).
+    Raises `SandboxError` when the sandbox cannot run, `CallFailed` when the Ray pool could give
+    the call no answer (busy, a worker lost or hung: the tool answers it as an error).
     """
     active = _pool if _kind == "ray" else None
     if active is None:
         return await run_python(code, limits, stdin=stdin)
-    return await active.run(code, limits, stdin=stdin, session_key=session_key)
+    return await active.run(code, limits, stdin=stdin, session_key=session_key, count=count)
 
 
 def forget(session_key: str) -> None:

@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from engine.tools.sandbox import runner as sandbox
-from engine.tools.sandbox.attacks import modes
-from engine.tools.sandbox.attacks import suite as attacks
-from engine.tools.sandbox.attacks.lab import Lab, Outcome, processes
-from engine.tools.sandbox.attacks.suite import all_attacks, default_lab, exit_code, render_table, run_suite
+from engine.sandbox import runner as sandbox
+from engine.sandbox.attacks import modes
+from engine.sandbox.attacks import suite as attacks
+from engine.sandbox.attacks.lab import Lab, Outcome, processes
+from engine.sandbox.attacks.suite import all_attacks, default_lab, exit_code, render_table, run_suite
 
 KNOWN_GAPS: dict[str, str] = {}
 NAMES = [name for name, _ in all_attacks()]
@@ -137,7 +137,7 @@ def test_the_three_column_table() -> None:
 def test_a_memory_reading_taken_while_one_of_the_processes_exited_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     # The sum of several processes' PSS is not one instant: a child killed after its reading frees
     # memory the next one may take, so that scan would count the memory twice.
-    from engine.tools.sandbox.attacks import kernel
+    from engine.sandbox.attacks import kernel
 
     me, parent = os.getpid(), os.getppid()
     seen = iter([[me, parent], [me, parent]])
@@ -152,7 +152,7 @@ def test_the_memory_spread_attack_is_judged_not_contained_without_a_run_wide_lim
     # attack must say so (the verdict is read from outside, not from the limit it asked for).
     if os.geteuid() != 0 or not sandbox.filesystem_isolated():
         pytest.skip("the suite's sandbox needs root and a mount namespace")
-    from engine.tools.sandbox.attacks import lab as lab_module
+    from engine.sandbox.attacks import lab as lab_module
 
     run = lab_module.Lab.run
 

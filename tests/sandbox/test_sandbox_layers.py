@@ -1,4 +1,4 @@
-"""The layers that need no privilege (engine/tools/sandbox/confine.py), each against the real
+"""The layers that need no privilege (engine/sandbox/confine.py), each against the real
 sandbox, and each with its private switch off: a test that passes with the layer on must
 see the hole open with it off, so it cannot pass whatever the code does. Also: the seccomp
 program's shape, the probe's warning when a layer is missing, multiprocessing's clear error.
@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.tools.sandbox import client, confine, probing
-from engine.tools.sandbox import runner as sandbox
-from engine.tools.sandbox.runner import SandboxLimits, run_python
+from engine.sandbox import client, confine, probing
+from engine.sandbox import runner as sandbox
+from engine.sandbox.runner import SandboxLimits, run_python
 
 FAST = SandboxLimits(timeout_s=10)
 KERNEL = confine.kernel_layers()

@@ -3,7 +3,7 @@ shared memory (SysV, POSIX shm, memfd), SysV objects seen by a concurrent run, k
 left for the next run of a uid, a uid leased again by another engine process after a
 crash, and an interpreter installed where the sandbox hides things (a venv under /tmp).
 
-Registered on import (see `engine.tools.sandbox.attacks.suite`). Every verdict rests on what the
+Registered on import (see `engine.sandbox.attacks.suite`). Every verdict rests on what the
 engine sees from outside: the host's process table and memory counters, /proc/sysvipc,
 /proc/key-users, and what a second, separate run could find.
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import attrs
 
-from engine.tools.sandbox import runner as sandbox
-from engine.tools.sandbox.attacks.lab import PRELUDE, PROJECT, Lab, Verdict, alive, attack, processes
+from engine.sandbox import runner as sandbox
+from engine.sandbox.attacks.lab import PRELUDE, PROJECT, Lab, Verdict, alive, attack, processes
 
 _MIB = 1 << 20
 SYS = {"x86_64": {"add_key": 248, "keyctl": 250}, "aarch64": {"add_key": 217, "keyctl": 219}}.get(platform.machine(), {})
@@ -323,9 +323,9 @@ async def keyrings(lab: Lab) -> Verdict:
 
 ENGINE = """
 import asyncio, json, sys
-from engine.tools.sandbox import runner
+from engine.sandbox import runner
 runner.UID_BASE, runner.UID_COUNT = {uid}, 1  # this engine leases one uid only
-from engine.tools.sandbox import run_python
+from engine.sandbox import run_python
 result = asyncio.run(run_python(sys.stdin.read(), runner.SandboxLimits(timeout_s=20)))
 print(json.dumps({{'stdout': result.stdout, 'stderr': result.stderr[-500:]}}), flush=True)
 """
@@ -405,7 +405,7 @@ async def venv_under_tmp(lab: Lab) -> Verdict:
                                                  "--without-pip", str(venv)], check=True, timeout=120)
         code = "import colorsys, sys\nreport(prefix=sys.prefix, write=attempt(lambda: open(sys.prefix + '/pwned', 'w')))\n"
         engine = (
-            "import asyncio, sys\nfrom engine.tools.sandbox import run_python\n"
+            "import asyncio, sys\nfrom engine.sandbox import run_python\n"
             "r = asyncio.run(run_python(sys.stdin.read()))\nprint(r.stdout, r.stderr[-300:])"
         )
         # The engine's own dependencies from this interpreter's site-packages; the sandbox sees the venv only.

@@ -1,7 +1,7 @@
 """Sandboxed calls on a Ray cluster: a pool of sandbox workers (Ray actors) and the dispatch to them.
 
 Each worker is a Ray actor that runs this package's own local sandbox, through a host
-process of its own (`engine.tools.sandbox.host`, which cleans up after a worker that dies). Ray
+process of its own (`engine.sandbox.host`, which cleans up after a worker that dies). Ray
 places the workers on the cluster's nodes (spread, sized by CPUs, optionally only on nodes
 offering a custom resource); this module only chooses among them:
 
@@ -40,10 +40,9 @@ import attrs
 import ray
 from ray import exceptions as ray_errors
 
-from engine.tools.registry import ToolError, count
-from engine.tools.sandbox import host as host_protocol
-from engine.tools.sandbox.dispatch import Busy, Dispatcher, RaySettings, Slot
-from engine.tools.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
+from engine.sandbox import host as host_protocol
+from engine.sandbox.dispatch import Busy, CallFailed, Counter, Dispatcher, RaySettings, Slot, no_count
+from engine.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ class SandboxWorker:
             # kills a worker's child processes and process group with it, and the host must outlive
             # this worker, for it is what kills the sandboxes when this worker dies.
             starter = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.tools.sandbox.host", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
+                sys.executable, "-m", "engine.sandbox.host", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
             )
@@ -262,7 +261,7 @@ class RayPool:
         return self.workers()
 
     async def run(self, code: str, limits: SandboxLimits, *, stdin: bytes | None = None,
-                  session_key: str | None = None) -> SandboxResult:
+                  session_key: str | None = None, count: Counter = no_count) -> SandboxResult:
         """Run `code` on a worker: one retry on another when the worker dies, then `worker_lost`."""
         if self.closed:
             raise SandboxError("the Ray sandbox pool was shut down")
@@ -278,7 +277,7 @@ class RayPool:
             except Busy as exc:
                 if self.closed:
                     raise SandboxError("the Ray sandbox pool was shut down") from None
-                raise ToolError("sandbox_busy", f"the sandbox is busy: {exc}") from None
+                raise CallFailed("sandbox_busy", f"the sandbox is busy: {exc}") from None
             finally:
                 count("sandbox_wait_s", time.monotonic() - waited)
             try:
@@ -308,12 +307,12 @@ class RayPool:
                             run_limits.timeout_s + HANG_MARGIN_S)
                 if slot.handle is handle:
                     self._replace(slot)
-                raise ToolError(
+                raise CallFailed(
                     "worker_hung", f"the sandbox worker did not answer within {limits.timeout_s:g} seconds"
                 ) from None
             finally:
                 self.dispatcher.release(slot)
-        raise ToolError("worker_lost", "the sandbox worker running this code was lost (node lost or worker "
+        raise CallFailed("worker_lost", "the sandbox worker running this code was lost (node lost or worker "
                                              "killed), and so was the retry; the code's result is unknown")
 
     async def _call(self, handle: Any, code: str, limits: SandboxLimits, stdin: bytes | None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Attacks on the sandbox's isolation: secrets, files, the engine process, the network,
 privileges (libc through ctypes, user namespaces, setuid binaries) and /proc.
 
-Registered on import (see `engine.tools.sandbox.attacks.suite`). Attacks that signal the engine first probe
+Registered on import (see `engine.sandbox.attacks.suite`). Attacks that signal the engine first probe
 with `kill(pid, 0)` and stop if it succeeds: that already proves the gap, harmlessly.
 """
 
@@ -17,8 +17,8 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from engine.tools.sandbox import runner as sandbox
-from engine.tools.sandbox.attacks.lab import PROJECT, Lab, Verdict, alive, attack
+from engine.sandbox import runner as sandbox
+from engine.sandbox.attacks.lab import PROJECT, Lab, Verdict, alive, attack
 
 # What an errno seen by the sandboxed program says about the layer that stopped it.
 WHY = {

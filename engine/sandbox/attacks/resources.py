@@ -1,7 +1,7 @@
 """Attacks on the sandbox's limits and on its cleanup: CPU, memory, processes, output, disk,
 stdin, processes meant to outlive the call, and a neighbouring run.
 
-Registered on import (see `engine.tools.sandbox.attacks.suite`). Every bound in the attack programs (forks,
+Registered on import (see `engine.sandbox.attacks.suite`). Every bound in the attack programs (forks,
 bytes, heartbeats) is there so that a sandbox weaker than expected hurts the host little.
 """
 
@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 
-from engine.tools.sandbox.attacks.lab import PROJECT, Lab, Verdict, alive, attack, processes
+from engine.sandbox.attacks.lab import PROJECT, Lab, Verdict, alive, attack, processes
 
 _MIB = 1 << 20
 

@@ -22,15 +22,15 @@ import attrs
 import pytest
 
 from engine.tools import ToolUnavailable, code_interpreter, python_session, registry
-from engine.tools.sandbox import SandboxProbe, client, probe, probe_sync, runner
-from engine.tools.sandbox import probing as probe_module
+from engine.sandbox import SandboxProbe, client, probe, probe_sync, runner
+from engine.sandbox import probing as probe_module
 
 PROJECT = Path(__file__).resolve().parents[2]
 ROOT = os.geteuid() == 0
 # What the engine process prints: the probe, then one code call through the registered tool.
 ENGINE = """
 import asyncio, json, os
-from engine.tools.sandbox import probe_sync
+from engine.sandbox import probe_sync
 from engine import tools
 outcome = probe_sync()
 call = asyncio.run(tools.get('code_interpreter').execute(None, code=CODE)) if outcome.ok else None
@@ -202,7 +202,7 @@ def test_a_dead_zygote_fails_its_runs_loudly_and_the_next_call_starts_a_new_one(
 def test_the_checkout_the_sandbox_hides_is_the_whole_checkout() -> None:
     # Run from a checkout, the hidden project root is the folder holding pyproject.toml, not a package
     # inside it: a depth off by one would leave the rest of the checkout readable to model code.
-    from engine.tools.sandbox import runner
+    from engine.sandbox import runner
 
     assert Path(runner.PROJECT_ROOT) == PROJECT
     assert (Path(runner.PROJECT_ROOT) / "pyproject.toml").is_file()

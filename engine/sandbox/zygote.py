@@ -1,6 +1,6 @@
 """The zygote: a pre-started interpreter that forks one sandboxed child per call.
 
-Run by path as `sys.executable -I zygote.py <json>` by `engine.tools.sandbox.client`, with an
+Run by path as `sys.executable -I zygote.py <json>` by `engine.sandbox.client`, with an
 empty environment (plus the child's few variables), `/` as its working directory, its own
 session, and one end of a SOCK_SEQPACKET socket pair as its only link to the engine. It
 imports `child.py` and `confine.py` (Landlock and seccomp: it decides each ruleset and builds

@@ -1,4 +1,4 @@
-"""The engine's side of the zygote (`engine/tools/sandbox/zygote.py`): start it, send it runs, hear back.
+"""The engine's side of the zygote (`engine/sandbox/zygote.py`): start it, send it runs, hear back.
 
 One zygote per engine process, started on first use and replaced every `RESTART_AFTER`
 runs (its children share its hash seed and address layout). Requests go over a

@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from engine.tools.sandbox import runner as sandbox
-from engine.tools.sandbox.runner import SandboxLimits, SandboxResult, run_python
+from engine.sandbox import runner as sandbox
+from engine.sandbox.runner import SandboxLimits, SandboxResult, run_python
 
-PROJECT = Path(__file__).resolve().parents[4]  # the checkout (or site-packages) holding `engine`
+PROJECT = Path(__file__).resolve().parents[3]  # the checkout (or site-packages) holding `engine`
 TIMEOUT_S = 5.0  # per attack run, unless the attack needs another
 
 

@@ -21,8 +21,8 @@ import pytest
 from engine.tools import code_interpreter, python_session, registry
 from engine.tools.code_interpreter import format_result
 from engine.tools.registry import ToolError
-from engine.tools.sandbox import runner as sandbox
-from engine.tools.sandbox.runner import (
+from engine.sandbox import runner as sandbox
+from engine.sandbox.runner import (
     UID_BASE,
     UID_COUNT,
     SandboxError,

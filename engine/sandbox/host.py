@@ -17,7 +17,7 @@ The protocol, one JSON object per line over a socket pair:
     host -> worker   {"id": n, "result": {SandboxResult fields}}
                      {"id": n, "error": "sandbox" | "internal", "message": str}
 
-    python -m engine.tools.sandbox.host FD     # FD: the host's end of the socket pair
+    python -m engine.sandbox.host FD     # FD: the host's end of the socket pair
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from engine.tools.sandbox.runner import SandboxError, SandboxLimits, network_isolated, run_python
+from engine.sandbox.runner import SandboxError, SandboxLimits, network_isolated, run_python
 
 LINE_LIMIT = 1 << 26  # one request or reply; code and capped output are far smaller
 CLEANUP_S = 60.0  # the most the host waits for cancelled runs to clean up before it exits

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from engine.tools.sandbox.runner import SandboxError, SandboxLimits, capabilities, run_python
+from engine.sandbox.runner import SandboxError, SandboxLimits, capabilities, run_python
 
 # A module never preloaded by the zygote (so the standard library must be reachable from
 # the sandbox), a write in the working directory, and a known answer.

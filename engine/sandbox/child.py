@@ -1,6 +1,6 @@
 """What a forked child of the zygote does to become a sandbox, and the cleanup helper.
 
-Imported only by `engine/tools/sandbox/zygote.py` (the zygote program, run by path), and by the
+Imported only by `engine/sandbox/zygote.py` (the zygote program, run by path), and by the
 engine for `SETUP_FAILED`; importing it runs nothing. Standard library only, because the
 zygote imports it before anything else and every sandboxed run inherits what it imports.
 
@@ -48,7 +48,7 @@ import stat
 import time
 from typing import Any
 
-SETUP_FAILED = 125  # engine.tools.sandbox.runner re-exports it
+SETUP_FAILED = 125  # engine.sandbox.runner re-exports it
 CLEAN_STRAYS = 10  # the cleanup helper's exit code when it had to kill processes
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
