@@ -155,7 +155,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(func=fn)
         return p
 
-    run = command("run", _lazy("engine.local.run:main_run"), "roll out a JSONL of prompts against a server (default: the embedded demo)")
+    run = command("run", _lazy("engine.run:main_run"), "roll out a JSONL of prompts against a server (default: the embedded demo)")
     run.epilog = ("A name in [brackets] is the key of slime's args (and of the --custom-config-path YAML) that the "
                   "option sets. Exit status: 0 done, 1 every sample or every tool call failed (or a tool cannot "
                   "work), 2 a bad argument, 130 interrupted (what finished is kept).")

@@ -11,7 +11,7 @@ and, where `run` offers it, its command-line flag. From that one table come:
   policy) names a small function that computes it (`derived_field`);
 * `EngineConfig.from_args`: slime's args read field by field through the rows;
 * the YAML of `--config` and the flags of `python -m engine run` (engine/cli.py,
-  engine/local/run.py), and `docs/settings.md` (`python -m engine settings`).
+  engine/run.py), and `docs/settings.md` (`python -m engine settings`).
 
 A value of the wrong kind or outside its range raises `SettingsError` naming the key and
 what is allowed (the slime adapter then ends every sample with `engine_setup_failed` and

@@ -38,7 +38,7 @@ from engine.sglang.client import ROUTING_HEADER, make_http_client
 from engine.config import EngineConfig, RetryPolicy
 from engine.local.invariants import sample_violations, status_name
 from engine.profiles.retool import render_retool_prompt
-from engine.local.run import demo_file
+from engine.local.demos import demo_file
 from engine.loop.runtime import Runtime
 from engine.local.sample import Sample
 from engine.slime.sample_io import engine_metadata

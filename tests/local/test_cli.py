@@ -21,7 +21,8 @@ import pytest
 
 from engine.cli import build_parser, program_name
 from engine.config import EngineConfig
-from engine.local.run import demo_file, settings_args
+from engine.local.demos import demo_file
+from engine.run import settings_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_STARTS = "starting the embedded server"

@@ -13,7 +13,8 @@ import pytest
 
 from engine import slime
 from engine.cli import build_parser
-from engine.local.run import demo_file, main_run, read_prompts
+from engine.local.demos import demo_file
+from engine.run import main_run, read_prompts
 from engine.local.server import BackgroundServer, ServerSettings
 from tests.conftest import run
 from tests.support.helpers import SAMPLING, make_args, tok

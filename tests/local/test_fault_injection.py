@@ -17,7 +17,7 @@ import pytest
 
 from engine import slime
 from engine.local.invariants import sample_violations
-from engine.local.run import demo_file
+from engine.local.demos import demo_file
 from engine.local.server import BackgroundServer, ServerSettings
 from engine.local.server.faults import ABORTED, KINDS, PRESETS, QUEUE_FULL, FaultInjector, FaultSpec
 from engine.local.soak import main_soak, usable_reply

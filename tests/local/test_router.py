@@ -19,7 +19,7 @@ import pytest
 
 from engine import slime
 from engine.config import EngineConfig
-from engine.local.run import demo_file
+from engine.local.demos import demo_file
 from engine.local.server import BackgroundServer
 from engine.sglang.http1 import AsyncioTransport
 from tests.conftest import run

@@ -14,7 +14,7 @@ import engine.config
 from engine.cli import build_parser, flag_type
 from engine.config import (DERIVED, SETTING, SETTINGS, Derivation, EngineConfig, Setting, SettingsError, field_sources,
                            flagged_settings, main_settings, readers_of, settings_page)
-from engine.local.run import FLAG_KEYS, RUN_DEFAULTS, SAMPLING_SETTINGS, settings_args
+from engine.run import FLAG_KEYS, RUN_DEFAULTS, SAMPLING_SETTINGS, settings_args
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.local.run import demo_file
+from engine.local.demos import demo_file
 
 ROOT = Path(__file__).resolve().parents[2]
 # Seven of the eleven the demo ships (every one passes; seven keep CI short): one per parser module

@@ -25,7 +25,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from importlib import resources
 from typing import Any
 
 import attrs
@@ -33,6 +32,7 @@ import httpx
 
 from engine.config import (SETTINGS, EngineConfig, SettingsError, flagged_settings, load_yaml_settings, unknown_key_message,
                            unknown_keys, warn_once)
+from engine.local.demos import demo_file, demo_replay
 from engine.local.sample import Sample
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -53,19 +53,6 @@ class UsageError(Exception):
 
 class CannotRun(Exception):
     """The job cannot work as set up (a dead tool, a server that did not start): exit status 1."""
-
-
-def demo_file(name: str) -> str:
-    """Path of a file of the shipped demo (prompts.jsonl, replay.jsonl, replay-chat.jsonl)."""
-    return str(resources.files("engine.local") / "demo" / name)
-
-
-def demo_replay(profile: str, tool_parser: str | None = None) -> str:
-    """The demo replay written in `profile`'s turn format (chat: in the tool parser's family's, where the demo has it)."""
-    if profile != "chat":
-        return demo_file("replay.jsonl")
-    family = demo_file(f"replay-chat-{tool_parser}.jsonl") if tool_parser else ""
-    return family if family and os.path.isfile(family) else demo_file("replay-chat.jsonl")
 
 
 # -- reading the input ------------------------------------------------------------------------
@@ -476,5 +463,5 @@ def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | N
     return 0
 
 
-__all__ = ["CannotRun", "Plan", "UsageError", "demo_file", "demo_replay", "expand_groups", "main_run", "plan_run",
+__all__ = ["CannotRun", "Plan", "UsageError", "expand_groups", "main_run", "plan_run",
            "read_prompts", "settings_args"]
