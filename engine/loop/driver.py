@@ -20,6 +20,7 @@ from typing import Any
 from engine import envs, tools
 from engine.aio import within
 from engine.config import log_once
+from engine.loop.harness import Harness
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint
 from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
@@ -42,7 +43,10 @@ class NoEdge(RuntimeError):
 
 async def step_reset(rt: Runtime, r: Rollout) -> str:
     """Render the prompt; with a partial-rollout checkpoint, validate it against the prompt."""
-    r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools, r.inputs.tool_schemas)
+    if r.inputs.rendered is not None:  # an agent's first call, rendered by its session
+        r.prompt_ids = r.inputs.rendered
+    else:
+        r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools, r.inputs.tool_schemas)
     saved = r.inputs.saved
     if not (r.cfg.partial_rollout and saved is not None):
         return Trigger.START
@@ -68,7 +72,7 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
     r.turn = TurnScratch()
     # The trajectory itself, so the client reuses the sample's encoded prompt instead of encoding it again.
     outcome = await rt.client.generate(
-        r.traj, r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key,
+        r.traj, r.sampling_params(), r.max_new_tokens, routing_key=r.inputs.routing_key,
         routed_experts_start=experts_start,
     )
     r.record.generation_time += time.perf_counter() - started
@@ -186,6 +190,21 @@ async def step_environment(rt: Runtime, r: Rollout) -> str:
     return Trigger.ENV_REPLY
 
 
+async def step_harness(rt: Runtime, r: Rollout) -> str:
+    """An agent's session answers the harness's waiting call with the turn and brings what the
+    harness does next: its next call (matched onto what was sampled) or the session's end.
+    The caller's abort cuts the wait, as it cuts a tool's."""
+    harness: Harness = r.inputs.harness
+    waiting = asyncio.ensure_future(harness.exchange(r))
+    if not await finished_unless_aborted(rt, waiting):
+        r.record.error = "abort requested while the harness had the turn"
+        r.stop_because("abort_requested")
+        return Trigger.CANCELLED
+    event = waiting.result()
+    r.turn = TurnScratch(harness=event, observation_ids=list(event.observation_ids))
+    return Trigger.HARNESS_END if event.kind == "end" else Trigger.HARNESS_CALL
+
+
 async def finished_unless_aborted(rt: Runtime, work: asyncio.Future[Any]) -> bool:
     """Wait for `work`; if the caller starts aborting first, it is cancelled and waited for: False.
 
@@ -226,6 +245,7 @@ STEPS: dict[str, StateStep] = {
     State.GENERATE: step_generate,
     State.TOOL_CALL: step_tool_call,
     State.ENVIRONMENT: step_environment,
+    State.HARNESS: step_harness,
 }
 
 

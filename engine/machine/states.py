@@ -4,7 +4,8 @@
 awaits I/O (so a cancellation can arrive there), the trigger the driver fires at once when
 the state needs no I/O, and the legend the diagrams print. The state list, the awaiting set,
 the steps that need no coroutine and the legend are all built from it. ENVIRONMENT is taken
-only when an environment is chosen (`engine_environment`). Tool states
+only when an environment is chosen (`engine_environment`), HARNESS only for an agent's
+session (`engine_agent`: the harness, not the engine, answers the model). Tool states
 (`TOOL_<NAME>`) are added per registered tool by `engine.machine.table`.
 """
 
@@ -25,6 +26,7 @@ class State(str, Enum):
     GENERATE = "GENERATE"
     TOOL_CALL = "TOOL_CALL"
     ENVIRONMENT = "ENVIRONMENT"
+    HARNESS = "HARNESS"
     TRIM = "TRIM"
     COMPLETED = "COMPLETED"
     TRUNCATED = "TRUNCATED"
@@ -52,6 +54,8 @@ class Trigger(str, Enum):
     TOOL_UNAVAILABLE = "tool_unavailable"
     ENV_REPLY = "env_reply"
     ENV_FAILED = "environment_failed"
+    HARNESS_CALL = "harness_call"
+    HARNESS_END = "harness_end"
     TRIM = "trim"
     CRASHED = "crashed"
     CANCELLED = "cancelled"
@@ -89,6 +93,7 @@ STATES: tuple[StateDef, ...] = (
     StateDef(S.GENERATE,     "core",     "one /generate request; the reply's ids and logprobs are taken as sent, then the turn is parsed (answer, tool call, invalid)", True, None),
     StateDef(S.TOOL_CALL,    "core",     "plans the turn's calls (surplus or unparsable ones get an error answer), hands them to the tool states, appends the observation (mask 0)", False, None),
     StateDef(S.ENVIRONMENT,  "core",     "the chosen environment (engine_environment) answers a model turn that is not a tool call: a user turn appended (mask 0) and the turn's reward, or the end of the episode", True, None),
+    StateDef(S.HARNESS,      "core",     "agent mode (engine_agent): answers the harness's waiting model call with the turn, then awaits its next call, whose history extends what was sampled (the added messages appended, mask 0) or breaks the segment (a new one from the history as given), or the session's end", True, None),
     StateDef(S.TRIM,         "core",     "cuts every per-token array to the budget together after a reply or an observation overflowed it", False, T.TRIM),
     StateDef(S.COMPLETED,    "terminal", "the model gave its final answer"),
     StateDef(S.TRUNCATED,    "terminal", "a budget ran out (context, turns, tool calls) or the turn hit its max_new_tokens"),
