@@ -301,6 +301,17 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_mcp_servers", "names", (), "MCP servers whose tools are offered: each a command line (stdio) or an http(s) URL",
             flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL",
                       repeatable=True, dest="mcp_servers")),
+    Setting("engine_agent", str, None, "what runs per sample as an agent: a coroutine `module:function` called with "
+            "(base_url, api_key, sample), or a command line started with OPENAI_BASE_URL / ANTHROPIC_BASE_URL and their "
+            "keys set to its session; its model calls are the sample's turns (needs engine_profile: chat)",
+            unset="none: the engine's own loop answers the model"),
+    Setting("engine_agent_timeout", float, 1800.0, "seconds an agent may run; then it is stopped and the sample ends "
+            "TRUNCATED (harness_timed_out), keeping what was sampled", low=0, high=7 * DAY, above_low=True),
+    Setting("engine_agent_matcher", str, "json_calls", "how an agent's copy of a model turn must match what the model "
+            "wrote: exact (text, reasoning, calls as written), json_calls (calls' arguments as JSON, reasoning may be "
+            "left out) or role_content (role and text)", choices=("exact", "json_calls", "role_content")),
+    Setting("engine_agent_models", "names", ("policy",), "the model names an agent may ask for (/v1/models lists them); "
+            "* takes any name"),
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
     Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
     Setting("engine_max_reply_bytes", int, 1 << 30, "bytes one /generate reply may hold; a larger one fails the request", low=1 << 16, high=1 << 40),
@@ -559,6 +570,11 @@ class EngineConfig:
     user_sim_temperature: float = setting_field("engine_user_sim_temperature")
     user_sim_max_tokens: int = setting_field("engine_user_sim_max_tokens")
     mcp_servers: tuple[str, ...] = setting_field("engine_mcp_servers")  # command lines (stdio) or http(s) URLs
+    # An agent brings its own loop (engine.agent): its model calls are the sample's turns.
+    agent: str | None = setting_field("engine_agent")
+    agent_timeout: float = setting_field("engine_agent_timeout")
+    agent_matcher: str = setting_field("engine_agent_matcher")
+    agent_models: tuple[str, ...] = setting_field("engine_agent_models")
     request_timeout: float = setting_field("engine_request_timeout")
     connect_timeout: float = setting_field("engine_connect_timeout")
     max_reply_bytes: int = setting_field("engine_max_reply_bytes")  # routing replay replies run to 100s of MB

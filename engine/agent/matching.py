@@ -101,9 +101,9 @@ def _images(m: Message) -> tuple[str | None, ...]:
     return () if isinstance(m.content, str) else tuple(p.image for p in m.content if p.kind == "image")
 
 
-def contradiction(history: Sequence[Message]) -> int | None:
-    """The index of the first tool result answering a call that no assistant message before it
-    made (its id, or any call when it names none); None when the history holds together."""
+def contradiction(history: Sequence[Message], start: int = 0) -> int | None:
+    """The index (from `start` on) of the first tool result answering a call that no assistant
+    message before it made (its id, or any call when it names none); None when it holds together."""
     made: set[str] = set()
     any_call = False
     for i, m in enumerate(history):
@@ -111,7 +111,7 @@ def contradiction(history: Sequence[Message]) -> int | None:
             for c in m.calls:
                 made.add(c.id)
                 any_call = True
-        elif m.role == "tool" and (not any_call or (m.call_id and m.call_id not in made)):
+        elif m.role == "tool" and i >= start and (not any_call or (m.call_id and m.call_id not in made)):
             return i
     return None
 
@@ -119,10 +119,16 @@ def contradiction(history: Sequence[Message]) -> int | None:
 def match_history(history: Sequence[Message], transcript: Sequence[Message], model_turns: frozenset[int],
                   matcher: str) -> Match:
     """Match a call's history onto the transcript (`model_turns`: the transcript's indices of the
-    model's own turns, compared by `matcher`; every other message by equality)."""
-    wrong = contradiction(history)
+    model's own turns, compared by `matcher`; every other message by equality). What matched the
+    transcript was taken before; a contradiction in what follows is named first."""
+    match = _prefix(history, transcript, model_turns, matcher)
+    wrong = contradiction(history, len(transcript) if match.extends else match.at)
     if wrong is not None:
         return Match(False, reason="history_contradicts", at=wrong)
+    return match
+
+
+def _prefix(history: Sequence[Message], transcript: Sequence[Message], model_turns: frozenset[int], matcher: str) -> Match:
     n = len(transcript)
     for i in range(min(n, len(history))):
         ours, theirs = transcript[i], history[i]

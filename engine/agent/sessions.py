@@ -91,6 +91,7 @@ class Session:
         self.ended: End | None = None
         self.refused: list[str] = []  # why calls were refused, in order (recorded with the sample)
         self.retries = 0
+        self.stopped = asyncio.Event()  # the machine reached a terminal state
 
     # -- the door's side ----------------------------------------------------------------
     async def call(self, call: ModelCall) -> ModelAnswer | CallRefused:
@@ -185,6 +186,7 @@ class Session:
                 if item.detail:
                     r.record.error = item.detail
                 return HarnessEvent("end", reason=item.reason)
+            self.waiting = item  # answered by `_settle` should the machine stop before it is matched
             event = self._match(r, item)
             if event is not None:
                 return event
@@ -251,6 +253,7 @@ class Session:
             await drive(self.owner.rt, r)
         finally:
             self._settle(r)
+            self.stopped.set()
         return r
 
     def _settle(self, r: Rollout) -> None:

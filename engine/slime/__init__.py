@@ -156,19 +156,34 @@ def _unrolled(sample: Any, reason: str, error: str, cfg: EngineConfig | None, sa
 async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: bool = False) -> Any:
     """slime's custom generate function: one sample, multi-turn with tools, returns the sample.
 
+    With `engine_agent` set, the agent it names runs instead of the engine's own loop, and the
+    sample comes back as its segments: the sample, or a list of samples sharing `rollout_id`.
+
     Never raises into slime's `gather` (only CancelledError passes): every failure is a status
     with its reason in `sample.metadata["fsm"]["termination_reason"]`.
     """
     try:
         cfg = EngineConfig.from_args(args)
         rt = runtime_for(cfg)
-        if cfg not in _probed:  # once per settings: one clear error at start-up for a tool that cannot work
+        if cfg not in _probed and cfg.agent is None:  # once per settings: one clear error at start-up for a tool that cannot work
             _probed.add(cfg)
             await log_tool_problems(rt.allowed_tools())
     except Exception as exc:  # settings or tokenizer unusable: every sample says so, none crashes
         _log_setup_failure(exc)
         return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params,
                          _placeholder(None, args))
+    if cfg.agent is not None:  # the harness answers the model: loaded only when one is configured
+        from engine.slime.agent import run_agent_sample
+
+        async with rt.in_flight():
+            try:
+                return await run_agent_sample(rt, sample, sampling_params, lambda: _placeholder(rt))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
+                log.exception("engine adapter failed on an agent's sample")
+                return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                                 _placeholder(rt))
     return await run_sample(rt, sample, sampling_params)
 
 
