@@ -168,6 +168,10 @@ async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: boo
         if cfg not in _probed and cfg.agent is None:  # once per settings: one clear error at start-up for a tool that cannot work
             _probed.add(cfg)
             await log_tool_problems(rt.allowed_tools())
+        if cfg.agent is not None:  # the agent a setting names, and a profile that renders its messages
+            from engine.slime.agent import check_agent
+
+            check_agent(rt)
     except Exception as exc:  # settings or tokenizer unusable: every sample says so, none crashes
         _log_setup_failure(exc)
         return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params,

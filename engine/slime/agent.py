@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.agent.harness import HarnessSpec
-from engine.agent.serving import AgentRun, run_agent
+from engine.agent.serving import AgentRun, check_profile, run_agent
 from engine.loop.attempts import caller_requeues
 from engine.loop.runtime import Runtime
 from engine.slime.sample_io import BAD_INPUT, BadInput, clear_sample, read_input, write_segments, write_unrolled
@@ -29,10 +29,10 @@ async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any,
     """Run the sample's agent and write its segments; never raises but CancelledError (an
     unusable sample or harness ends FAILED, untrained, with the reason). `placeholder` gives
     the token an unrolled sample is made of (the adapter's)."""
+    spec = HarnessSpec.parse(rt.cfg.agent or "")
     try:
         inp = read_input(sample, sampling_params)
-        spec = HarnessSpec.parse(rt.cfg.agent or "")
-    except (BadInput, ValueError) as exc:
+    except BadInput as exc:
         write_unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, placeholder())
         return sample
     clear_sample(sample)
@@ -50,6 +50,12 @@ async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any,
         for out in samples:
             out.reward = reward
     return samples[0] if len(samples) == 1 else samples
+
+
+def check_agent(rt: Runtime) -> None:
+    """The settings' agent can run: its name reads, the profile renders chat messages (ValueError, one line)."""
+    HarnessSpec.parse(rt.cfg.agent or "")
+    check_profile(rt)
 
 
 def agent_record(run: AgentRun) -> dict[str, Any]:
