@@ -23,7 +23,7 @@ from engine.agent.calls import CallMade, Message, ModelAnswer, ModelCall, Part
 from engine.agent.chat import error, model_card, model_list  # OpenAI answers errors and models alike
 from engine.agent.shapes import Asked, BadRequest
 
-__all__ = ["error", "model_card", "model_list", "read", "reply", "events"]
+__all__ = ["error", "events", "model_card", "model_list", "read", "reply", "token_count"]
 
 CALL_PREFIX = "call_"
 SAMPLING = {"max_output_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p"}

@@ -1,4 +1,4 @@
-"""A scripted stand-in for the sessions behind the front door, and a proxy that drops connections.
+"""A scripted stand-in for the sessions behind the front door, the SDK clients on it, a proxy that drops connections.
 
 `ScriptedSessions` records every `ModelCall` it receives and answers each session's calls from
 a script; it answers an SDK retry (`retry_of`) with the answer already given to that body, as
@@ -10,13 +10,17 @@ the answer is lost on the wire, as when a connection dies between server and cli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Self
 
+import anthropic
 import attrs
 import httpx
+import openai
 
+from engine.agent.app import FrontDoor, serve
 from engine.agent.calls import CallRefused, ModelAnswer, ModelCall
 
 MODEL = "scripted-model"
@@ -73,7 +77,7 @@ class DroppingProxy:
         host, port = self.server.sockets[0].getsockname()[:2]
         return f"http://{host}:{port}"
 
-    async def __aenter__(self) -> DroppingProxy:
+    async def __aenter__(self) -> Self:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return self
 
@@ -136,3 +140,23 @@ def sse_events(raw: str) -> Iterator[tuple[str | None, Any]]:
                 data.append(line[len("data: "):])
         payload = "\n".join(data)
         yield name, payload if payload == "[DONE]" else json.loads(payload)
+
+
+@contextlib.asynccontextmanager
+async def running(sessions: ScriptedSessions) -> AsyncIterator[FrontDoor]:
+    """The front door over `sessions`, on loopback, for the block's duration."""
+    door = await serve(sessions)
+    try:
+        yield door
+    finally:
+        await door.aclose()
+
+
+def openai_client(base: str, *, api_key: str = "unused", retries: int = 2) -> openai.AsyncOpenAI:
+    """The OpenAI SDK on a session's base URL (or the door's `/v1` with the key as API key)."""
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=retries)
+
+
+def anthropic_client(base: str, *, api_key: str = "unused", retries: int = 2) -> anthropic.AsyncAnthropic:
+    """The Anthropic SDK on a session's base URL."""
+    return anthropic.AsyncAnthropic(base_url=base, api_key=api_key, max_retries=retries)
