@@ -12,6 +12,10 @@ the protocol's error shape and status, one logged line, and `x-should-retry: fal
 do not send it again; a session that raises gets a 500, which they do retry. An SDK's retry
 (`x-stainless-retry-count` > 0) is marked on the call with the body's digest, so the session
 answers it with the earlier answer instead of taking a second turn.
+
+Each protocol module provides `read(body) -> Asked` (or BadRequest), `reply(answer, asked)`,
+`events(answer, asked)` (the stream's bytes), `error(problem)`, `model_list(names)` and
+`model_card(name)`; the two that count tokens add `token_count(n)`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import attrs
@@ -34,20 +38,9 @@ from engine.agent.shapes import Asked, BadRequest, Problem
 log = logging.getLogger("engine.agent")
 
 MAX_BODY = 64 * 2**20  # a long agent history with images runs to megabytes; aiohttp's default is 1 MiB
+CLOSE_GRACE = 5.0  # seconds `aclose` lets calls in flight finish before cancelling them
 RETRY_HEADER = "x-stainless-retry-count"
 ANTHROPIC_HEADER = "anthropic-version"
-
-
-class Dialect(Protocol):
-    """What each protocol module provides (`engine.agent.chat`, `.responses`, `.messages`)."""
-
-    def read(self, body: Any) -> Asked: ...
-
-    def reply(self, answer: ModelAnswer, asked: Asked) -> dict[str, Any]: ...
-
-    def events(self, answer: ModelAnswer, asked: Asked) -> Iterator[bytes]: ...
-
-    def error(self, problem: Problem) -> dict[str, Any]: ...
 
 
 @attrs.define(eq=False)
@@ -63,14 +56,16 @@ class FrontDoor:
         return f"{self.url}/s/{quote(key, safe='')}"
 
     async def aclose(self) -> None:
-        """Stop listening and close every connection."""
+        """Stop listening and close every connection (calls in flight get CLOSE_GRACE seconds to finish)."""
         await self._runner.cleanup()
 
 
 async def serve(sessions: Sessions, host: str = "127.0.0.1", port: int = 0, *,
                 max_body: int = MAX_BODY) -> FrontDoor:
     """Serve `sessions` on `host:port` (port 0: a free one) until `aclose`."""
-    runner = web.AppRunner(make_app(sessions, max_body=max_body), access_log=None, handler_cancellation=False)
+    # handler_cancellation off: a harness that hangs up does not cancel the turn its session is taking
+    runner = web.AppRunner(make_app(sessions, max_body=max_body), access_log=None, handler_cancellation=False,
+                           shutdown_timeout=CLOSE_GRACE)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -100,6 +95,7 @@ def make_app(sessions: Sessions, *, max_body: int = MAX_BODY) -> web.Application
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Answered = TypeVar("Answered", ModelAnswer, int)
 
 
 @attrs.define(eq=False)
@@ -116,13 +112,9 @@ class _Door:
             if isinstance(found, web.Response):
                 return found
             key, asked = found
-            try:
-                answer = await self.sessions.call(key, asked.call)
-            except Exception:
-                log.exception("%s call of session %s failed", asked.call.protocol, key)
-                return _problem(request, dialect, Problem(500, "internal", "the session failed on this call"), key)
-            if isinstance(answer, CallRefused):
-                return _problem(request, dialect, self._refused(request, answer), key)
+            answer = await self._consult(request, dialect, key, self.sessions.call(key, asked.call))
+            if isinstance(answer, web.Response):
+                return answer
             if not asked.stream:
                 return _json(dialect.reply(answer, asked))
             return await _stream(request, dialect.events(answer, asked), key)
@@ -137,14 +129,8 @@ class _Door:
             if isinstance(found, web.Response):
                 return found
             key, asked = found
-            try:
-                counted = await self.sessions.count_tokens(key, asked.call)
-            except Exception:
-                log.exception("token count of session %s failed", key)
-                return _problem(request, dialect, Problem(500, "internal", "the session failed to count"), key)
-            if isinstance(counted, CallRefused):
-                return _problem(request, dialect, self._refused(request, counted), key)
-            return _json(dialect.token_count(counted))
+            counted = await self._consult(request, dialect, key, self.sessions.count_tokens(key, asked.call))
+            return counted if isinstance(counted, web.Response) else _json(dialect.token_count(counted))
 
         return count
 
@@ -194,11 +180,20 @@ class _Door:
         return key, attrs.evolve(asked, call=call)
 
     @staticmethod
-    def _refused(request: web.Request, refusal: CallRefused) -> Problem:
-        """A session's refusal; a key never opened is 404 when the path named it, 401 when the API key did."""
-        if refusal.kind == "unauthorized" and "key" in request.match_info:
-            return Problem(404, "not_found", refusal.message)
-        return Problem.refused(refusal)
+    async def _consult(request: web.Request, dialect: ModuleType, key: str,
+                       asking: Awaitable[Answered | CallRefused]) -> Answered | web.Response:
+        """What the session answers, or the error response for its refusal (a key never opened: 404
+        when the path named it, 401 when the API key did) or its failure (500, logged)."""
+        try:
+            got = await asking
+        except Exception:
+            log.exception("session %s failed on %s", key, request.path)
+            return _problem(request, dialect, Problem(500, "internal", "the session failed on this request"), key)
+        if not isinstance(got, CallRefused):
+            return got
+        if got.kind == "unauthorized" and "key" in request.match_info:
+            return _problem(request, dialect, Problem(404, "not_found", got.message), key)
+        return _problem(request, dialect, Problem.refused(got), key)
 
 
 def _key(request: web.Request) -> str | None:

@@ -60,7 +60,7 @@ def read(body: Any) -> Asked:
         sampling=shapes.sampling(body, SAMPLING),
         protocol="chat",
         model=model or "",
-        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        tool_choice=shapes.openai_tool_choice(body.get("tool_choice"), tools, nested=True),
     )
     stream = shapes.flag(body, "stream", "")
     options = body.get("stream_options")
@@ -76,18 +76,6 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     function = shapes.obj(tool.get("function"), f"{where}.function")
     return shapes.function_tool(function.get("name"), function.get("description"), function.get("parameters"),
                                 f"{where}.function")
-
-
-def _tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> str:
-    if choice is None:
-        return "auto"
-    if isinstance(choice, str):
-        return shapes.one_of(choice, ("none", "auto", "required"), "tool_choice")
-    choice = shapes.obj(choice, "tool_choice")
-    if choice.get("type") != "function":
-        raise BadRequest("tool_choice must be none, auto, required or a function", "tool_choice")
-    function = shapes.obj(choice.get("function"), "tool_choice.function")
-    return shapes.named_choice(function.get("name"), tools, "tool_choice.function.name")
 
 
 def _message(message: Any, where: str) -> Message:

@@ -61,7 +61,8 @@ def read(body: Any) -> Asked:
     if not messages:
         raise BadRequest("input must hold at least one item", "input")
     call = ModelCall(messages=tuple(messages), tools=tools, sampling=shapes.sampling(body, SAMPLING),
-                     protocol="responses", model=model or "", tool_choice=_tool_choice(body.get("tool_choice"), tools))
+                     protocol="responses", model=model or "",
+                     tool_choice=shapes.openai_tool_choice(body.get("tool_choice"), tools, nested=False))
     echo = {"instructions": instructions, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": shapes.flag(body, "parallel_tool_calls", "", default=True),
@@ -77,17 +78,6 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
         raise BadRequest(f"{where}.type {tool.get('type')!r} is not served: only function tools are",
                          f"{where}.type")
     return shapes.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where)
-
-
-def _tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> str:
-    if choice is None:
-        return "auto"
-    if isinstance(choice, str):
-        return shapes.one_of(choice, ("none", "auto", "required"), "tool_choice")
-    choice = shapes.obj(choice, "tool_choice")
-    if choice.get("type") != "function":
-        raise BadRequest("tool_choice must be none, auto, required or a function", "tool_choice")
-    return shapes.named_choice(choice.get("name"), tools, "tool_choice.name")
 
 
 class _Turn:

@@ -212,6 +212,22 @@ def named_choice(name: Any, tools: tuple[dict[str, Any], ...], where: str) -> st
     return name
 
 
+def openai_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...], *, nested: bool) -> str:
+    """OpenAI's `tool_choice`: none, auto, required, or one function, named under `function`
+    (`nested`: Chat Completions) or beside its type (Responses)."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        return one_of(choice, ("none", "auto", "required"), "tool_choice")
+    choice = obj(choice, "tool_choice")
+    if choice.get("type") != "function":
+        raise BadRequest("tool_choice must be none, auto, required or a function", "tool_choice")
+    if nested:
+        return named_choice(obj(choice.get("function"), "tool_choice.function").get("name"), tools,
+                            "tool_choice.function.name")
+    return named_choice(choice.get("name"), tools, "tool_choice.name")
+
+
 def image_part(url: Any, where: str) -> Part:
     """An image the harness sent by URL or data URL, kept as it came."""
     if not isinstance(url, str) or not url:

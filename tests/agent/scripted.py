@@ -36,11 +36,16 @@ class ScriptedSessions:
     calls: dict[str, list[ModelCall]] = attrs.Factory(dict)
     counted: list[ModelCall] = attrs.Factory(list)
     answered: dict[str, ModelAnswer] = attrs.Factory(dict)  # by the body's digest
+    gate: asyncio.Event | None = None  # when set, each call waits for it before answering
+    finished: int = 0  # calls that ran to their answer (a cancelled one does not count)
 
     async def call(self, key: str, call: ModelCall) -> ModelAnswer | CallRefused:
         if key not in self.script:
             return CallRefused("unauthorized", f"no session {key!r} was opened")
         self.calls.setdefault(key, []).append(call)
+        if self.gate is not None:
+            await self.gate.wait()
+        self.finished += 1
         if call.retry_of is not None and call.retry_of in self.answered:
             return self.answered[call.retry_of]
         if not self.script[key]:

@@ -281,6 +281,31 @@ def test_a_client_that_leaves_mid_stream_breaks_nothing(caplog: pytest.LogCaptur
     assert any("left mid-stream" in r.getMessage() for r in caplog.records)
 
 
+def test_a_client_that_hangs_up_while_the_session_works_does_not_cancel_the_turn() -> None:
+    sessions = ScriptedSessions({"k": [FIRST, SECOND]})
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "go"}]}
+
+    async def go() -> str:
+        sessions.gate = asyncio.Event()
+        async with running(sessions) as door:
+            url = door.session_url("k") + "/v1/chat/completions"
+            async with httpx.AsyncClient() as http:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(url, json=request, timeout=0.3)
+            assert sessions.finished == 0
+            sessions.gate.set()
+            for _ in range(100):
+                if sessions.finished:
+                    break
+                await asyncio.sleep(0.05)
+            async with httpx.AsyncClient() as http:
+                again = await http.post(url, json=request, headers={"x-stainless-retry-count": "1"})
+            return again.json()["choices"][0]["message"]["content"]
+
+    assert asyncio.run(go()) == "first answer"  # the retry found the answer of the turn taken meanwhile
+    assert sessions.finished == 2 and sessions.script["k"] == [SECOND]
+
+
 def test_models_are_listed_in_the_shape_of_the_sdk_that_asks() -> None:
     sessions = ScriptedSessions({"k": []}, served=[MODEL, "second-model"])
 
