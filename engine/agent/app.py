@@ -148,7 +148,7 @@ class _Door:
 
     async def unknown(self, request: web.Request) -> web.Response:
         """Any other path: 404 in the shape of the SDK that asked."""
-        problem = Problem(404, "not_found", f"no such endpoint: {request.method} {request.path}")
+        problem = Problem(404, "not_found", f"no such endpoint: {request.method} {request.path}", code="unknown_url")
         return _problem(request, _listing(request), problem, None)
 
     async def _prelude(self, request: web.Request, dialect: ModuleType,
@@ -172,9 +172,6 @@ class _Door:
             asked = read(body)
         except BadRequest as exc:
             return _problem(request, dialect, exc.problem, key)
-        served = self.sessions.models()
-        if asked.call.model not in served:
-            return _problem(request, dialect, _unknown_model(asked.call.model, served), key)
         digest = hashlib.sha256(raw).hexdigest()
         call = attrs.evolve(asked.call, digest=digest, retry_of=digest if _retry_count(request) > 0 else None)
         return key, attrs.evolve(asked, call=call)
@@ -183,7 +180,7 @@ class _Door:
     async def _consult(request: web.Request, dialect: ModuleType, key: str,
                        asking: Awaitable[Answered | CallRefused]) -> Answered | web.Response:
         """What the session answers, or the error response for its refusal (a key never opened: 404
-        when the path named it, 401 when the API key did) or its failure (500, logged)."""
+        when the path named it, 401 when the API key did; an unknown model: 404) or its failure (500, logged)."""
         try:
             got = await asking
         except Exception:
@@ -192,7 +189,7 @@ class _Door:
         if not isinstance(got, CallRefused):
             return got
         if got.kind == "unauthorized" and "key" in request.match_info:
-            return _problem(request, dialect, Problem(404, "not_found", got.message), key)
+            return _problem(request, dialect, Problem(404, "not_found", got.message, code="session_not_found"), key)
         return _problem(request, dialect, Problem.refused(got), key)
 
 

@@ -29,8 +29,9 @@ SAMPLING = {
 }
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 409: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
-_ERROR_CODES = {"unauthorized": "invalid_api_key", "not_found": "not_found", "over_budget": "context_length_exceeded",
-                "closed": "session_closed", "too_large": "request_too_large"}
+# a session's "not_found" is a model it does not serve (an unknown session key is "unauthorized")
+_ERROR_CODES = {"unauthorized": "invalid_api_key", "not_found": "model_not_found",
+                "over_budget": "context_length_exceeded", "closed": "session_closed", "too_large": "request_too_large"}
 
 
 # ---- requests -----------------------------------------------------------------------------

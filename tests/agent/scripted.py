@@ -39,9 +39,17 @@ class ScriptedSessions:
     gate: asyncio.Event | None = None  # when set, each call waits for it before answering
     finished: int = 0  # calls that ran to their answer (a cancelled one does not count)
 
-    async def call(self, key: str, call: ModelCall) -> ModelAnswer | CallRefused:
+    def _refusal(self, key: str, call: ModelCall) -> CallRefused | None:
+        """What the sessions refuse before a turn: a key never opened, a model not served."""
         if key not in self.script:
             return CallRefused("unauthorized", f"no session {key!r} was opened")
+        if call.model not in self.served:
+            return CallRefused("not_found", f"the model {call.model!r} is not served here: {', '.join(self.served)}")
+        return None
+
+    async def call(self, key: str, call: ModelCall) -> ModelAnswer | CallRefused:
+        if refused := self._refusal(key, call):
+            return refused
         self.calls.setdefault(key, []).append(call)
         if self.gate is not None:
             await self.gate.wait()
@@ -58,8 +66,8 @@ class ScriptedSessions:
         return step
 
     async def count_tokens(self, key: str, call: ModelCall) -> int | CallRefused:
-        if key not in self.script:
-            return CallRefused("unauthorized", f"no session {key!r} was opened")
+        if refused := self._refusal(key, call):
+            return refused
         self.counted.append(call)
         return sum(len(m.text().split()) for m in call.messages)  # words: a count the test can predict
 

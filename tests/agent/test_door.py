@@ -66,7 +66,7 @@ def _error_kind(exc: Exception) -> tuple[int, str | None]:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_an_unknown_model_is_a_404_in_the_protocols_shape_and_reaches_no_session(protocol: str) -> None:
+def test_an_unknown_model_the_sessions_refuse_is_a_404_in_the_protocols_shape(protocol: str) -> None:
     sessions = ScriptedSessions({"k": [FIRST]})
 
     async def go() -> Exception:
@@ -79,7 +79,7 @@ def test_an_unknown_model_is_a_404_in_the_protocols_shape_and_reaches_no_session
     error = asyncio.run(go())
     assert _error_kind(error) == (404, "not_found_error" if protocol == "messages" else "model_not_found")
     assert "gpt-unknown" in str(error) and MODEL in str(error)
-    assert len(sessions.calls["k"]) == 1
+    assert [c.model for c in sessions.calls["k"]] == [MODEL]  # the refused call took no turn
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
