@@ -29,6 +29,11 @@ CALL_PREFIX = "call_"
 SAMPLING = {"max_output_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p"}
 SERVER_STATE = ("previous_response_id", "conversation", "prompt")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+# Harnesses that keep no server state (`store: false`) ask for reasoning as `encrypted_content`
+# and send back only that: the door puts the text there, marked so it never reads another
+# server's ciphertext as reasoning.
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
+SEALED = "fsm-reasoning:"
 
 
 # ---- requests -----------------------------------------------------------------------------
@@ -68,7 +73,8 @@ def read(body: Any) -> Asked:
             "parallel_tool_calls": shapes.flag(body, "parallel_tool_calls", "", default=True),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
-            "reasoning": body.get("reasoning"), "store": shapes.flag(body, "store", "", default=True)}
+            "reasoning": body.get("reasoning"), "store": shapes.flag(body, "store", "", default=True),
+            "sealed_reasoning": ENCRYPTED_INCLUDE in shapes.array(body, "include", "")}
     return Asked(call=call, stream=shapes.flag(body, "stream", ""), echo=echo)
 
 
@@ -139,7 +145,12 @@ def _items(items: list[Any]) -> list[Message]:
 
 
 def _reasoning(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text: its reasoning_text content, else its summary."""
+    """A reasoning item's text: its reasoning_text content, else what this door sealed in its
+    encrypted_content, else its summary."""
+    parts = shapes.array(item, "content", where)
+    sealed = shapes.text(item, "encrypted_content", where) or ""
+    if not parts and sealed.startswith(SEALED):
+        return sealed[len(SEALED):]
     for key in ("content", "summary"):
         parts = shapes.array(item, key, where)
         if parts:
@@ -193,13 +204,15 @@ def _usage(answer: ModelAnswer) -> dict[str, Any]:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def _output(answer: ModelAnswer, rid: str) -> list[dict[str, Any]]:
+def _output(answer: ModelAnswer, rid: str, sealed: bool) -> list[dict[str, Any]]:
     """The answer's output items, finished: reasoning, the message, the function calls."""
     status = "incomplete" if answer.finish == "length" else "completed"
     items: list[dict[str, Any]] = []
     if answer.reasoning is not None:
         items.append({"type": "reasoning", "id": f"rs_{rid}", "summary": [], "status": status,
                       "content": [{"type": "reasoning_text", "text": answer.reasoning}]})
+        if sealed:
+            items[-1]["encrypted_content"] = SEALED + answer.reasoning
     if answer.text or not answer.calls:
         items.append({"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": status,
                       "content": [{"type": "output_text", "text": answer.text, "annotations": [], "logprobs": []}]})
@@ -216,7 +229,8 @@ def _response(answer: ModelAnswer, asked: Asked, rid: str, created: float, *, do
             "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if done and incomplete else None,
             "instructions": echo.get("instructions"), "model": asked.call.model,
-            "output": _output(answer, rid) if done else [], "parallel_tool_calls": echo.get("parallel_tool_calls", True),
+            "output": _output(answer, rid, echo.get("sealed_reasoning", False)) if done else [],
+            "parallel_tool_calls": echo.get("parallel_tool_calls", True),
             "temperature": echo.get("temperature"), "top_p": echo.get("top_p"),
             "tool_choice": echo.get("tool_choice", "auto"), "tools": echo.get("tools", []),
             "max_output_tokens": echo.get("max_output_tokens"), "metadata": echo.get("metadata", {}),
@@ -245,7 +259,7 @@ def events(answer: ModelAnswer, asked: Asked) -> Iterator[bytes]:
 
     yield event("response.created", response=_response(answer, asked, rid, created, done=False))
     yield event("response.in_progress", response=_response(answer, asked, rid, created, done=False))
-    for index, item in enumerate(_output(answer, rid)):
+    for index, item in enumerate(_output(answer, rid, asked.echo.get("sealed_reasoning", False))):
         at = {"item_id": item["id"], "output_index": index}
         if item["type"] == "function_call":
             yield event("response.output_item.added", output_index=index,

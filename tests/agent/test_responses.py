@@ -170,3 +170,35 @@ def test_input_tokens_are_counted_by_the_session() -> None:
 
     assert asyncio.run(go()) == 5
     assert sessions.counted[0].messages == (Message("system", "two more"), Message("user", "three words here"))
+
+
+def test_reasoning_asked_as_encrypted_content_comes_back_from_it_alone() -> None:
+    """A harness that keeps no server state (`store: false`, `include` encrypted reasoning) may
+    send back a reasoning item with its encrypted content only; another server's ciphertext is
+    never read as reasoning."""
+    sessions = ScriptedSessions({"k": [CALLING, SUNNY]})
+
+    async def go() -> Any:
+        async with running(sessions) as door:
+            client = openai_client(door.session_url("k"))
+            first = await client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER], store=False,
+                                                  include=["reasoning.encrypted_content"])
+            sealed = first.output[0].encrypted_content
+            items: list[Any] = [
+                {"type": "reasoning", "id": "rs_old", "summary": [], "encrypted_content": "gAAAAB-not-ours"},
+                {"type": "message", "role": "assistant", "content": "Earlier."},
+                {"role": "user", "content": "Weather?"},
+                {"type": "reasoning", "id": first.output[0].id, "summary": [], "encrypted_content": sealed},
+                *[{"type": "function_call", "call_id": o.call_id, "name": o.name, "arguments": o.arguments}
+                  for o in first.output if o.type == "function_call"],
+                {"type": "function_call_output", "call_id": "call_c0", "output": "sunny"},
+                {"type": "function_call_output", "call_id": "call_c1", "output": "rainy"}]
+            await client.responses.create(model=MODEL, input=items, tools=[WEATHER], store=False)
+            await client.close()
+            return first
+
+    first = asyncio.run(go())
+    assert first.output[0].content[0].text == "I need the weather" and first.output[0].encrypted_content
+    earlier, _, turn = sessions.calls["k"][1].messages[:3]
+    assert earlier == Message("assistant", "Earlier.", reasoning="")
+    assert turn == Message("assistant", "", reasoning="I need the weather", calls=CALLING.calls)
