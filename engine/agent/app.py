@@ -184,7 +184,7 @@ class _Door:
         try:
             got = await asking
         except Exception:
-            log.exception("session %s failed on %s", key, request.path)
+            log.exception("session %s failed on %s", _shown(key), _route(request))
             return _problem(request, dialect, Problem(500, "internal", "the session failed on this request"), key)
         if not isinstance(got, CallRefused):
             return got
@@ -220,6 +220,17 @@ def _unknown_model(name: str, served: list[str]) -> Problem:
                    code="model_not_found", param="model")
 
 
+def _shown(key: str | None) -> str:
+    """A session key as logs show it: enough to tell sessions apart, not enough to use one."""
+    return "-" if key is None else key[:8] + ("..." if len(key) > 8 else "")
+
+
+def _route(request: web.Request) -> str:
+    """The request's route with `{key}` in place of the key (an unmatched path as it came)."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None and "key" in request.match_info else request.path
+
+
 def _json(data: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(text=json.dumps(data, ensure_ascii=False), status=status, headers=headers,
                         content_type="application/json")
@@ -227,7 +238,7 @@ def _json(data: dict[str, Any], status: int = 200, headers: dict[str, str] | Non
 
 def _problem(request: web.Request, dialect: ModuleType, problem: Problem, key: str | None) -> web.Response:
     """The protocol's error reply, logged in one line; only a failure of ours invites a retry."""
-    log.warning("%s %s (session %s): %d %s: %s", request.method, request.path, key or "-", problem.status,
+    log.warning("%s %s (session %s): %d %s: %s", request.method, _route(request), _shown(key), problem.status,
                 problem.kind, problem.message[:300])
     headers = {"x-should-retry": "false"} if problem.status < 500 else None
     return _json(dialect.error(problem), problem.status, headers)
@@ -242,5 +253,5 @@ async def _stream(request: web.Request, chunks: Iterator[bytes], key: str) -> we
             await response.write(chunk)
         await response.write_eof()
     except ConnectionError:
-        log.info("the client of session %s left mid-stream", key)
+        log.info("the client of session %s left mid-stream", _shown(key))
     return response

@@ -182,6 +182,7 @@ def test_a_request_the_protocol_refuses_is_a_400_naming_the_field_one_line_logge
         assert error["param"] == param and error["type"] == "invalid_request_error"
     lines = [r for r in caplog.records if r.name == "engine.agent"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "400" in lines[0].getMessage()
+    assert "/s/{key}/v1/" in lines[0].getMessage()  # the route, not the key that opens the session
     assert after == "first answer" and len(sessions.calls["k"]) == 1  # the refused request never reached it
 
 
