@@ -21,10 +21,18 @@ import httpx
 import openai
 
 from engine.agent.app import FrontDoor, serve
-from engine.agent.calls import CallRefused, ModelAnswer, ModelCall
+from engine.agent.calls import CallMade, CallRefused, ModelAnswer, ModelCall, Usage
 
 MODEL = "scripted-model"
 Step = ModelAnswer | CallRefused | Exception
+
+# Answers the protocol tests share: a turn with reasoning, text and two calls (usage with cached
+# tokens), and a long one whose every part streams as several deltas.
+TWO_CALLS = (CallMade("c0", "get_weather", '{"city": "Paris"}'), CallMade("c1", "get_weather", '{"city": "Rome"}'))
+CALLING = ModelAnswer(text="Let me look.", reasoning="I need the weather", finish="tool_calls",
+                      usage=Usage(30, 9, 10), id="m1", calls=TWO_CALLS)
+LONG = ModelAnswer(text="chunk " * 40, reasoning="think " * 30, finish="tool_calls", usage=Usage(20, 99), id="s1",
+                   calls=(CallMade("c0", "get_weather", '{"city": "' + "Paris" * 30 + '"}'),))
 
 
 @attrs.define(eq=False)

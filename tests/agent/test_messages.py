@@ -17,13 +17,10 @@ from anthropic.types import Message as AnthropicMessage
 from anthropic.types import RawMessageStreamEvent
 
 from engine.agent.calls import CallMade, Message, ModelAnswer, Part, Usage
-from tests.agent.scripted import MODEL, ScriptedSessions, anthropic_client, running, sse_events
+from tests.agent.scripted import CALLING, LONG, MODEL, ScriptedSessions, anthropic_client, running, sse_events
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-CALLING = ModelAnswer(text="Let me look.", reasoning="I need the weather", finish="tool_calls", usage=Usage(30, 9, 10),
-                      id="m1", calls=(CallMade("c0", "get_weather", '{"city": "Paris"}'),
-                                      CallMade("c1", "get_weather", '{"city": "Rome"}')))
 SUNNY = ModelAnswer(text="Sunny in Paris; Rome failed.", usage=Usage(60, 6), id="m2")
 EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
 
@@ -78,8 +75,7 @@ def test_system_tools_thinking_and_tool_results_with_errors_round_trip() -> None
 
 
 def test_a_stream_is_anthropics_event_sequence_and_the_sdk_rebuilds_the_message() -> None:
-    answer = ModelAnswer(text="chunk " * 40, reasoning="think " * 30, finish="tool_calls", usage=Usage(20, 99), id="s1",
-                         calls=(CallMade("c0", "get_weather", '{"city": "' + "Paris" * 30 + '"}'),))
+    answer = LONG
     sessions = ScriptedSessions({"sdk": [answer], "raw": [answer]})
     request = {"model": MODEL, "max_tokens": 512, "messages": [{"role": "user", "content": "go"}], "tools": [WEATHER],
                "stream": True}

@@ -16,13 +16,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from engine.agent.calls import CallMade, Message, ModelAnswer, Part, Usage
-from tests.agent.scripted import MODEL, ScriptedSessions, openai_client, running, sse_events
+from tests.agent.scripted import CALLING, LONG, MODEL, ScriptedSessions, openai_client, running, sse_events
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city.", "strict": False,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-CALLING = ModelAnswer(text="Let me look.", reasoning="I need the weather", finish="tool_calls", usage=Usage(30, 9, 3),
-                      id="r1", calls=(CallMade("c0", "get_weather", '{"city": "Paris"}'),
-                                      CallMade("c1", "get_weather", '{"city": "Rome"}')))
 SUNNY = ModelAnswer(text="Sunny in both.", usage=Usage(60, 4), id="r2")
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 
@@ -53,9 +50,9 @@ def test_instructions_items_and_tools_become_the_call_and_the_answer_output_item
     assert reasoning.content[0].text == "I need the weather" and message.content[0].text == "Let me look."
     assert [(c.call_id, c.id, c.name, c.arguments) for c in calls] == [
         ("call_c0", "fc_c0", "get_weather", '{"city": "Paris"}'), ("call_c1", "fc_c1", "get_weather", '{"city": "Rome"}')]
-    assert first.status == "completed" and first.id == "resp_r1" and first.tools[0].name == "get_weather"
+    assert first.status == "completed" and first.id == "resp_m1" and first.tools[0].name == "get_weather"
     assert (first.usage.input_tokens, first.usage.output_tokens, first.usage.input_tokens_details.cached_tokens) == \
-        (30, 9, 3)
+        (30, 9, 10)
     assert second.output_text == "Sunny in both."
     one, two = sessions.calls["k"]
     assert one.messages == (Message("system", "Be brief."), Message("user", "Weather in Paris and Rome?"))
@@ -69,8 +66,7 @@ def test_instructions_items_and_tools_become_the_call_and_the_answer_output_item
 
 
 def test_a_stream_is_the_event_sequence_and_the_sdk_rebuilds_the_response_from_it() -> None:
-    answer = ModelAnswer(text="chunk " * 40, reasoning="think " * 30, finish="tool_calls", usage=Usage(20, 99), id="s1",
-                         calls=(CallMade("c0", "get_weather", '{"city": "' + "Paris" * 30 + '"}'),))
+    answer = LONG
     sessions = ScriptedSessions({"sdk": [answer], "raw": [answer]})
     request = {"model": MODEL, "input": "go", "tools": [WEATHER], "stream": True}
 
