@@ -167,7 +167,7 @@ def _assistant_parts(value: Any, where: str) -> list[Part]:
     for j, part in enumerate(shapes.array({"c": value}, "c", where, required=True)):
         part = shapes.obj(part, f"{where}[{j}]")
         kind = part.get("type")
-        key = {"output_text": "text", "input_text": "text", "refusal": "refusal"}.get(kind or "")
+        key = {"output_text": "text", "input_text": "text", "refusal": "refusal"}.get(kind) if isinstance(kind, str) else None
         if key is None:
             raise BadRequest(f"{where}[{j}].type {kind!r} is not served in an assistant message", f"{where}[{j}].type")
         parts.append(Part(kind="text", text=shapes.text(part, key, f"{where}[{j}]", required=True) or ""))
