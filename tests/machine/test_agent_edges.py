@@ -105,30 +105,15 @@ def test_a_call_s_own_cap_and_stop_strings_shape_the_turn_that_answers_it():
 
 def test_the_caller_s_abort_cuts_a_harness_that_never_calls_again():
     class Silent:
+        """Answers nothing more; the caller starts aborting the step while it waits."""
+
         async def exchange(self, r: Any) -> HarnessEvent:
+            runtime = r.inputs.abort_check.__self__  # the runtime whose abort check the rollout polls
+            asyncio.get_running_loop().call_later(0.3, runtime.abort.set)
             await asyncio.sleep(3600)
             raise AssertionError("never")
 
-    flag = {"on": False}
-
-    async def set_soon() -> None:
-        await asyncio.sleep(0.3)
-        flag["on"] = True
-
-    import engine.loop.driver as d
-
-    original = d.step_harness
-
-    async def step(rt: Any, r: Any) -> str:
-        rt.abort_check = lambda: flag["on"]
-        asyncio.ensure_future(set_soon())
-        return await original(rt, r)
-
-    d.STEPS["HARNESS"] = step
-    try:
-        r, _ = walk([turn(CODE)], harness=Silent())
-    finally:
-        d.STEPS["HARNESS"] = original
+    r, _ = walk([turn(CODE)], harness=Silent())
     assert path(r)[-1] == ("HARNESS", "cancelled", "ABORTED")
     assert (r.state, r.record.reason) == ("ABORTED", "abort_requested")
 
