@@ -266,7 +266,7 @@ DAY = 86400.0
 # pool only costs memory and start-up time (a slime job's samples wait in slime's own semaphore).
 MAX_CONNECTIONS = 16384
 
-SERVER, TOOLS, BUDGETS = "server and settings", "tools", "budgets and sampling"
+SERVER, TOOLS, BUDGETS, AGENT = "server and settings", "tools", "budgets and sampling", "agents"
 
 SETTINGS: dict[str, Setting] = {s.key: s for s in (
     # engine_* keys: set in the YAML of --custom-config-path (or `run --config`)
@@ -304,12 +304,15 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_agent", str, None, "what runs per sample as an agent: a coroutine `module:function` called with "
             "(base_url, api_key, sample), or a command line started with OPENAI_BASE_URL / ANTHROPIC_BASE_URL and their "
             "keys set to its session; its model calls are the sample's turns (needs engine_profile: chat)",
-            unset="none: the engine's own loop answers the model"),
+            unset="none: the engine's own loop answers the model",
+            flag=Flag("--agent", "CMD", AGENT, help="run this agent per prompt: a command line (quoted) or module:function")),
     Setting("engine_agent_timeout", float, 1800.0, "seconds an agent may run; then it is stopped and the sample ends "
-            "TRUNCATED (harness_timed_out), keeping what was sampled", low=0, high=7 * DAY, above_low=True),
+            "TRUNCATED (harness_timed_out), keeping what was sampled", low=0, high=7 * DAY, above_low=True,
+            flag=Flag("--agent-timeout", "S", AGENT)),
     Setting("engine_agent_matcher", str, "json_calls", "how an agent's copy of a model turn must match what the model "
             "wrote: exact (text, reasoning, calls as written), json_calls (calls' arguments as JSON, reasoning may be "
-            "left out) or role_content (role and text)", choices=("exact", "json_calls", "role_content")),
+            "left out) or role_content (role and text)", choices=("exact", "json_calls", "role_content"),
+            flag=Flag("--agent-matcher", "NAME", AGENT)),
     Setting("engine_agent_models", "names", ("policy",), "the model names an agent may ask for (/v1/models lists them); "
             "* takes any name"),
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),

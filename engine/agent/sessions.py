@@ -177,6 +177,7 @@ class Session:
         """HARNESS's step: answer the waiting call with the turn just sampled, then take the next
         call the machine can work with (a refused one is answered here), or the session's end."""
         answer = self._answer(r)
+        r.record.tools.calls += len(answer.calls)  # handed to the harness, which runs them
         self.transcript.append(Message("assistant", answer.text, reasoning=answer.reasoning, calls=answer.calls))
         self.model_turns.add(len(self.transcript) - 1)
         self._deliver(answer)

@@ -176,19 +176,25 @@ async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: boo
         _log_setup_failure(exc)
         return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params,
                          _placeholder(None, args))
-    if cfg.agent is not None:  # the harness answers the model: loaded only when one is configured
-        from engine.slime.agent import run_agent_sample
-
-        async with rt.in_flight():
-            try:
-                return await run_agent_sample(rt, sample, sampling_params, lambda: _placeholder(rt))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
-                log.exception("engine adapter failed on an agent's sample")
-                return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
-                                 _placeholder(rt))
+    if cfg.agent is not None:
+        return await run_agent_sample(rt, sample, sampling_params)
     return await run_sample(rt, sample, sampling_params)
+
+
+async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
+    """Run the agent `engine_agent` names for one sample: its segments, one sample each (the sample
+    itself, or a list sharing `rollout_id`). Never raises but CancelledError."""
+    from engine.slime.agent import agent_sample  # the front door loads only when an agent is configured
+
+    async with rt.in_flight():
+        try:
+            return await agent_sample(rt, sample, sampling_params, lambda: _placeholder(rt))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
+            log.exception("engine adapter failed on an agent's sample")
+            return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                             _placeholder(rt))
 
 
 _setup_errors: set[str] = set()

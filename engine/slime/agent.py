@@ -24,7 +24,7 @@ from engine.slime.sample_io import BAD_INPUT, BadInput, clear_sample, read_input
 NO_CALL = "harness_made_no_call"  # the harness ended without one model call: nothing to train
 
 
-async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any,
+async def agent_sample(rt: Runtime, sample: Any, sampling_params: Any,
                            placeholder: Callable[[], tuple[int, str]], **door: Any) -> Any:
     """Run the sample's agent and write its segments; never raises but CancelledError (an
     unusable sample or harness ends FAILED, untrained, with the reason). `placeholder` gives

@@ -1,5 +1,5 @@
-"""`engine_agent` through slime's generate: an unmodified OpenAI client drives the sample over a real
-socket (a stand-in door until the front door's app is here), and the segments come back as samples."""
+"""`engine_agent` through slime's generate: an unmodified OpenAI client drives the sample through the
+front door over a real socket, and the segments come back as samples."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from engine.local.invariants import sample_violations
 from engine.local.sample import Sample
 from engine.profiles.chat import ChatProfile
 from engine.profiles.tokenizer import load_tokenizer
-from tests.support import door
 from tests.support.agents import ScriptedModel
 from tests.support.helpers import URL, make_args
 
@@ -35,14 +34,10 @@ def generate(agent: str, sample: Sample, **settings: Any) -> tuple[Any, Scripted
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=model)
             mock.route(host="127.0.0.1").pass_through()  # the harness's own requests reach the door
-            original = serving.default_door
-            serving.default_door = lambda: door.serve  # type: ignore[assignment]
             try:
                 return await slime.generate(args, sample, dict(SAMPLING))
             finally:
-                serving.default_door = original  # type: ignore[assignment]
-                rt = slime.runtime_for(slime.EngineConfig.from_args(args))
-                await serving.close_served(rt)
+                await serving.close_served(slime.runtime_for(slime.EngineConfig.from_args(args)))
 
     return asyncio.run(go()), model
 
