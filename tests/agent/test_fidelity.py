@@ -98,3 +98,48 @@ def test_every_trained_token_of_every_segment_is_the_server_s(family: str):
             assert len(samples) == 1 and sample.metadata["fsm"]["termination_reason"] == "harness_finished"
     assert broken == [], broken[:5]
     assert sum(len(v) for v in model.replies.values()) >= SESSIONS * 4
+
+
+PROTOCOL_CLIENTS = ["chat_task", "chat_stream_task", "responses_task", "responses_stream_task", "messages_task",
+                    "messages_stream_task"]
+
+
+def test_a_verbatim_harness_over_each_protocol_makes_one_sample_of_the_server_s_tokens():
+    """Through the front door, each protocol's client replaying its history as its SDK hands it back:
+    no break, one sample per session, its trained tokens the server's replies (Qwen3's template)."""
+    from engine.agent.harness import HarnessSpec
+    from engine.agent.serving import close_served, run_agent
+
+    cfg = EngineConfig(server_url=URL, profile="chat", max_context_len=BUDGET,
+                       retry=RetryPolicy(max_attempts=2, base_delay=0.0, deadline=10.0))
+
+    async def go() -> tuple[list[Any], ScriptedModel, Any]:
+        rt = Runtime.create(cfg, tokenizer=load_tokenizer(None))
+        model = ScriptedModel(rt.profile, steps=3)
+        with respx.mock(assert_all_called=False) as mock:
+            mock.post(URL + "/generate").mock(side_effect=model)
+            mock.route(host="127.0.0.1").pass_through()  # the clients reach the door
+
+            async def one(i: int) -> tuple[str, str, Any]:
+                client = PROTOCOL_CLIENTS[i % len(PROTOCOL_CLIENTS)]
+                spec = HarnessSpec.parse(f"tests.support.agent_harnesses:{client}")
+                run = await run_agent(rt, spec, prompt="task", sampling_params=dict(SAMPLING), routing_key=f"s{i}")
+                return f"s{i}", client, run
+
+            try:
+                done = await asyncio.gather(*(one(i) for i in range(len(PROTOCOL_CLIENTS) * 3)))
+            finally:
+                await close_served(rt)
+                await rt.aclose()
+        return done, model, rt.profile
+
+    done, model, profile = asyncio.run(go())
+    for key, client, run in done:
+        assert run.outcome.reason == "harness_finished" and run.outcome.result == "The sum is 15.", (client, run.outcome)
+        samples = write_segments(Sample(index=0, prompt="task"), run.rollout, profile.decode, requeued=False)
+        assert len(samples) == 1 and run.refused == (), (client, [s.metadata["fsm"]["termination_reason"] for s in samples])
+        sample = samples[0]
+        prompt = sample.tokens[:len(sample.tokens) - sample.response_length]
+        assert model.requests[key][0] == prompt
+        assert sample_violations(sample, prompt_ids=prompt, budget=BUDGET, decode=profile.decode,
+                                 sent=model.replies[key]) == [], client
