@@ -42,7 +42,6 @@ import os
 import platform
 import re
 import resource
-import shutil
 import signal
 import stat
 import time
@@ -50,6 +49,7 @@ from typing import Any
 
 SETUP_FAILED = 125  # engine.sandbox.runner re-exports it
 CLEAN_STRAYS = 10  # the cleanup helper's exit code when it had to kill processes
+CLEAN_LEFT = 11  # ... when something of the run is left that it could not remove (the uid is quarantined)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 # Per-mount flags a read-only bind remount must repeat, or the kernel refuses it (EPERM).
@@ -339,12 +339,19 @@ def enter(cfg: dict[str, Any], sys_path: list[str], before_drop: Any = None) -> 
 
 def set_limits(cfg: dict[str, Any]) -> None:
     """rlimits, after the uid drop (see runner._config). RLIMIT_AS bounds growth past what
-    the process already maps (the zygote's preloaded modules), not the inherited total."""
+    the process already maps (the zygote's preloaded modules), not the inherited total.
+    RLIMIT_NOFILE comes last, in `set_file_limit`: Landlock's rules open a descriptor each."""
     limits = dict(cfg["rlimits"])
     limits["AS"] += _mapped_bytes()
-    for name in ("NPROC", "FSIZE", "NOFILE", "AS"):
+    for name in ("NPROC", "FSIZE", "AS"):
         resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (limits[name], limits[name]))
     resource.setrlimit(resource.RLIMIT_CPU, (limits["CPU"], limits["CPU"] + 1))  # SIGXCPU, then SIGKILL
+
+
+def set_file_limit(cfg: dict[str, Any]) -> None:
+    """RLIMIT_NOFILE, once the Landlock rules' descriptors are closed."""
+    files = cfg["rlimits"]["NOFILE"]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 
 
 def _mapped_bytes() -> int:
@@ -426,10 +433,108 @@ def _remove_ipc(uid: int) -> None:
                 call(int(fields["shmid" if kind == "shm" else "msqid" if kind == "msg" else "semid"]), IPC_RMID, None)
 
 
-def _remove_files(uid: int, workdir: str | None) -> None:
-    """Remove what the uid created in the world-writable directories, the workdir included."""
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
+def _ident(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _enter_dir(parent: int, name: str) -> int:
+    """Open directory `name` beneath `parent` (never through a link) and make it u+rwx: the run
+    may have left it unreadable or unwritable to its owner (fchmod through a descriptor)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=parent)
+    except PermissionError:
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            os.chmod(f"/proc/self/fd/{handle}", 0o700)  # the directory itself, not a name a link could redirect
+        finally:
+            os.close(handle)
+        fd = os.open(name, flags, dir_fd=parent)
+    if os.fstat(fd).st_mode & 0o700 != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _unlink_files(fd: int) -> str | None:
+    """Unlink every entry of directory `fd` but directories; the name of one directory left, if any."""
+    subdir = None
+    with os.scandir(fd) as entries:
+        names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+    for name, is_dir in names:
+        if is_dir:
+            subdir = subdir or name
+        else:
+            os.unlink(name, dir_fd=fd)  # a link is removed, never followed
+    return subdir
+
+
+def _remove_beneath(parent: int, name: str, deadline: float) -> None:
+    """Remove `name` beneath directory `parent` depth first, one directory open at a time (a tree
+    deeper than the descriptor limit or the recursion limit is no harder), going back up through
+    ".." checked against the directory it came from."""
+    try:
+        st = os.lstat(name, dir_fd=parent)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=parent)
+        return
+    names, idents = [name], [_ident(parent)]
+    fd = _enter_dir(parent, name)
+    try:
+        while names:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(names)} levels deep when time ran out")
+            sub = _unlink_files(fd)
+            if sub is not None:
+                idents.append(_ident(fd))
+                inner = _enter_dir(fd, sub)
+                os.close(fd)
+                fd, inner = inner, -1
+                names.append(sub)
+                continue
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            if _ident(fd) != idents.pop():
+                raise OSError(f"{names[-1]!r} was moved while it was being removed")
+            os.rmdir(names.pop(), dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: str, deadline_s: float = 60.0) -> str:
+    """Remove `path` and everything beneath it, whatever modes, depth or links the run left:
+    without recursion, never following a link, every error caught. "" once `path` is gone,
+    else what is left and why (it is never raised: the caller reports it)."""
+    head, name = os.path.split(os.path.normpath(path))
+    problem = ""
+    try:
+        parent = os.open(head or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        return f"{path}: {type(e).__name__}: {e}"
+    try:
+        _remove_beneath(parent, name, time.monotonic() + deadline_s)
+    except Exception as e:  # noqa: BLE001 - whatever it was, the check below says what is left
+        problem = f"{type(e).__name__}: {e}"
+    finally:
+        os.close(parent)
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        problem = problem or f"{type(e).__name__}: {e}"
+    return f"{path} is left ({problem or 'no error seen'})"
+
+
+def _remove_files(uid: int, workdir: str | None) -> list[str]:
+    """Remove what the uid created in the world-writable directories, the workdir included;
+    what could not be removed."""
+    left = [remove_tree(workdir)] if workdir else []
     for parent in SHARED_DIRS:
         try:
             entries = list(os.scandir(parent))
@@ -437,21 +542,33 @@ def _remove_files(uid: int, workdir: str | None) -> None:
             continue
         for entry in entries:
             try:
-                st = entry.stat(follow_symlinks=False)
-                if st.st_uid != uid:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
                     continue
-                if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
             except OSError:
-                pass  # gone meanwhile
+                continue  # gone meanwhile
+            left.append(remove_tree(entry.path))
+    return [problem for problem in left if problem]
 
 
-def clean_group(pgid: int | None, workdir: str | None) -> int:
-    """The cleanup helper without a uid of the run's own: SIGKILL what is left of its process
-    group (a process that called setsid escapes this) and wait until it is gone, then
-    remove the working directory. Exit code: 0, or `CLEAN_STRAYS` when it killed something."""
+def _sysv_left(uid: int) -> list[str]:
+    found = []
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = f.read().splitlines()
+        except OSError:
+            continue
+        cols = header.split()
+        found += [f"SysV {kind} {row.split()[1]}" for row in rows
+                  if dict(zip(cols, row.split())).get("uid") == str(uid)]
+    return found
+
+
+def clean_group(pgid: int | None, workdir: str | None) -> tuple[int, str]:
+    """Without a uid of the run's own: SIGKILL what is left of its process group until it is gone
+    (seccomp keeps every process of the run in it), then remove the working directory.
+    (exit code, what is left): 0 or `CLEAN_STRAYS` when it killed something, `CLEAN_LEFT` with
+    the reason when something could not be removed."""
     found = False
     if pgid is not None:
         deadline = time.monotonic() + 5
@@ -462,15 +579,19 @@ def clean_group(pgid: int | None, workdir: str | None) -> int:
             except OSError:
                 break  # ESRCH: the group is gone (its zombies reaped too)
             time.sleep(0.002)
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return CLEAN_STRAYS if found else 0
+        else:
+            return CLEAN_LEFT, f"process group {pgid} survived SIGKILL for 5 s"
+    left = remove_tree(workdir) if workdir else ""
+    if left:
+        return CLEAN_LEFT, left
+    return (CLEAN_STRAYS if found else 0), ""
 
 
-def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) -> int:
+def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) -> tuple[int, str]:
     """The cleanup helper, already forked: as `uid`, kill everything of it, then clear its
-    keyrings, SysV objects (`shared_ipc`) and files (`shared_fs`). Exit code: 0, or
-    `CLEAN_STRAYS` when processes had to be killed."""
+    keyrings, SysV objects (`shared_ipc`) and files (`shared_fs`), and check that none is left.
+    (exit code, what is left): 0 or `CLEAN_STRAYS` when processes had to be killed,
+    `CLEAN_LEFT` with the reason when something survived."""
     become(uid)
     lib = libc()
     found = _has_processes(uid)
@@ -488,8 +609,14 @@ def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) 
         if serial > 0:
             lib.keyctl(KEYCTL_CLEAR, serial)
             lib.keyctl(KEYCTL_INVALIDATE, serial)
+    left = []
+    if _has_processes(uid):
+        left.append(f"processes of uid {uid} survived SIGKILL for 5 s")
     if shared_ipc:
         _remove_ipc(uid)
+        left += _sysv_left(uid)
     if shared_fs:
-        _remove_files(uid, workdir)
-    return CLEAN_STRAYS if found else 0
+        left += _remove_files(uid, workdir)
+    if left:
+        return CLEAN_LEFT, "; ".join(left)[:2000]
+    return (CLEAN_STRAYS if found else 0), ""
