@@ -564,9 +564,10 @@ def _sysv_left(uid: int) -> list[str]:
     return found
 
 
-def clean_group(pgid: int | None, workdir: str | None) -> tuple[int, str]:
+def clean_group(pgid: int | None, workdir: str | None, reap: Any = None) -> tuple[int, str]:
     """Without a uid of the run's own: SIGKILL what is left of its process group until it is gone
-    (seccomp keeps every process of the run in it), then remove the working directory.
+    (seccomp keeps every process of the run in it), then remove the working directory. `reap()`
+    reaps the killed where they are our children (a zombie still counts as a member).
     (exit code, what is left): 0 or `CLEAN_STRAYS` when it killed something, `CLEAN_LEFT` with
     the reason when something could not be removed."""
     found = False
@@ -578,6 +579,8 @@ def clean_group(pgid: int | None, workdir: str | None) -> tuple[int, str]:
                 found = True
             except OSError:
                 break  # ESRCH: the group is gone (its zombies reaped too)
+            if reap is not None:
+                reap()
             time.sleep(0.002)
         else:
             return CLEAN_LEFT, f"process group {pgid} survived SIGKILL for 5 s"

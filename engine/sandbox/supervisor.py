@@ -221,7 +221,7 @@ class Supervisor:
         cfg = self.cfg
         uid, workdir = cfg["uid"], None if cfg["mntns"] else cfg["workdir"]
         if uid is None:
-            rc, problem = child.clean_group(self.group, workdir)
+            rc, problem = child.clean_group(self.group, workdir, self.reap)
             strays = self.kill_orphans()
             return (child.CLEAN_STRAYS if strays and rc == 0 else rc), problem
         if not first and not self.needs_helper():
