@@ -10,6 +10,7 @@ files and lock files, a later run and a fresh engine's probe, the host's queues 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -28,22 +29,26 @@ DENIED = {"EPERM", "EACCES", "EROFS", "ENOENT"}
 
 @attack("forged report of a broken sandbox")
 async def forged_report(lab: Lab) -> Verdict:
-    # Everything the program can reach that looks like a secret of the host's, then every form a
-    # setup failure ever took (`<hex> OSError: ...` on stderr, exit 125).
+    # The best guess at a secret of the host's the program can reach (a run record's nonce, else
+    # anything that looks like one), then the form a setup failure once took: `<nonce> OSError: ...`
+    # as the first line of stderr, exit 125.
     code = """
 import gc, os, re, sys
-found = set()
+named, found = [], set()
 frame = sys._getframe()
 while frame is not None:
     for value in list(frame.f_locals.values()) + list(frame.f_globals.values()):
         found.update(re.findall(r'[0-9a-f]{32}', repr(value)[:100000]))
     frame = frame.f_back
 for obj in gc.get_objects():
-    if isinstance(obj, dict) and {'nonce', 'cfg', 'workdir', 'uid'} & set(map(str, obj)):
-        found.update(re.findall(r'[0-9a-f]{32}', repr(obj)[:100000]))
-report(candidates=len(found))
-for nonce in sorted(found)[:50] + ['0' * 32]:
-    os.write(2, (nonce + ' OSError: [Errno 28] No space left on device\\n').encode())
+    if isinstance(obj, dict):
+        if isinstance(obj.get('nonce'), str):
+            named.append(obj['nonce'])
+        if {'cfg', 'workdir', 'uid'} & set(map(str, obj)):
+            found.update(re.findall(r'[0-9a-f]{32}', repr(obj)[:100000]))
+guess = (named or sorted(found) or ['0' * 32])[0]
+report(candidates=len(found), named=len(named))
+os.write(2, (guess + ' OSError: [Errno 28] No space left on device\\n').encode())
 os._exit(125)
 """
     try:
@@ -54,8 +59,8 @@ os._exit(125)
     rc, candidates = run.result.returncode, run.facts.get("candidates", "?")
     contained = rc == 125 and "OSError" in run.result.stderr
     return Verdict(contained, "only the supervisor's pipe speaks for the sandbox: the forgery is the program's "
-                   f"own result (exit {rc})", f"{candidates} secret-looking strings in reach, each forged; "
-                   "run_python returned, no SandboxError")
+                   f"own result (exit {rc})", f"{candidates} secret-looking strings in reach ({run.facts.get('named', 0)} "
+                   "named nonce); run_python returned, no SandboxError")
 
 
 def _lease_state(uid: int | None) -> str:
@@ -137,15 +142,13 @@ except OSError as e:
     stop = err(e)
 report(depth=depth, stop=stop)
 """
-    caps = sandbox._capabilities()
-    if caps.uids:
-        with _one_uid() as uid:
+    caps, uid = sandbox._capabilities(), None
+    try:
+        with _one_uid() if caps.uids else contextlib.nullcontext(None) as uid:
             run = await lab.run(code, timeout_s=20.0)
             after = await lab.run("open('after.txt', 'w').write('x')\nreport(wrote=True)\n")
-    else:
-        uid = None
-        run = await lab.run(code, timeout_s=20.0)
-        after = await lab.run("open('after.txt', 'w').write('x')\nreport(wrote=True)\n")
+    except sandbox.SandboxError as e:
+        return Verdict(False, "its cleanup failed, and the engine reported a broken sandbox", str(e)[:160])
     probe = await _fresh_probe(uid)
     cwd, depth = run.facts.get("cwd", "?"), run.facts.get("depth", 0)
     left = os.path.lexists(cwd) if cwd.startswith("/tmp/sandbox-") else False
@@ -194,9 +197,10 @@ report(made=made, stop=stop)
         os.close(mine)
         ctypes.CDLL(None).syscall(241, f"{stem}-host".encode())
     made, stop = run.facts.get("made", "?"), run.facts.get("stop", "?")
-    contained = made == 0 and stop in DENIED and left == 0 and mine >= 0
-    return Verdict(contained, f"seccomp: mq_open -> {stop}", f"{made} queues made, {left} found on the host "
-                   f"afterwards; the host can still make one: {mine >= 0}")
+    contained = made != "?" and left == 0 and mine >= 0  # none made, or made in an IPC namespace of its own
+    how = f"seccomp: mq_open -> {stop}" if made == 0 else "IPC namespace per run: its queues die with it"
+    return Verdict(contained, how if contained else "queues outlive the run on the host",
+                   f"{made} queues made, {left} found on the host afterwards; the host can still make one: {mine >= 0}")
 
 
 @attack("file metadata through a read-only descriptor")

@@ -1,6 +1,6 @@
 """The attack suite in the three modes an engine runs in, one column each.
 
-`python -m engine.sandbox.attacks.modes [--json] [--mode M ...]`, as root: runs
+`python -m engine.sandbox.attacks.modes [--json] [--report PATH] [--mode M ...]`, as root: runs
 `python -m engine attacks --json` once per mode in a process of its own and prints one table
 with a column per mode (exit 1 when an attack outside the mode's `EXPECTED_GAPS` got through):
 
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", action="append", choices=list(MODES), help="default: all three")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--report", metavar="PATH", help="also write the JSON report there (tests/sandbox/"
+                        "test_attacks.py judges it instead of running the suite again: FSM_ATTACKS_REPORT)")
     ns = parser.parse_args(argv)
     try:
         reports = {m: run_mode(m) for m in ns.mode or list(MODES)}
@@ -178,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attacks in three modes: {e}", file=sys.stderr)
         return 2
     bad = unexpected(reports)
+    if ns.report:
+        Path(ns.report).write_text(json.dumps({"reports": reports, "unexpected": bad}, indent=2))
     if ns.json:
         print(json.dumps({"reports": reports, "unexpected": bad}, indent=2))
     else:
