@@ -1,38 +1,42 @@
-"""What a forked child of the zygote does to become a sandbox, and the cleanup helper.
+"""What a forked run does to become a sandbox, and the cleanup helpers.
 
-Imported only by `engine/sandbox/zygote.py` (the zygote program, run by path), and by the
-engine for `SETUP_FAILED`; importing it runs nothing. Standard library only, because the
-zygote imports it before anything else and every sandboxed run inherits what it imports.
+Imported only by `zygote.py` and `forker.py` (the zygote's programs, loaded by path), and by the
+engine's tests; importing it runs nothing. Standard library only, because the zygote imports it
+before anything else and every sandboxed run inherits what it imports.
 
-A run's child, still root (or the engine's user) right after the fork, in this order:
-1. own session (so the zygote can kill the whole process group), default signal dispositions;
+A run, still root (or the engine's user) right after the fork, in this order:
+1. own session (so the whole process group can be killed), default signal dispositions;
 2. joins the run's cgroup(s) (v2, or the v1 memory and pids controllers), before it
    allocates anything, so every page and task the run ever makes is counted;
-3. new network, mount and IPC namespaces where the host allows them (IPC: SysV objects
-   die with the run and are invisible to every other run);
-4. in the mount namespace: the host read-only, a private size-limited tmpfs on /tmp,
+3. new mount namespace where the host allows it (network and IPC ones only where seccomp is
+   missing: the filter refuses every socket but an unnamed pair, and all SysV and POSIX IPC);
+4. in the mount namespace: the host read-only, a private size-limited tmpfs on /tmp (`nosuid`),
    `hide` covered by empty tmpfs, `expose` (the interpreter's directories, wherever they
-   live: /tmp, /root, /opt) bound back read-only, its own /proc, stand-in /etc/passwd.
-   All but the private /tmp and the stand-ins come from a template namespace the zygote
-   builds once (`build_template`); the child joins it and copies it (`isolate_run_fs`);
-   `isolate_fs` builds everything per run where no template could be built;
+   live: /tmp, /root, /opt) bound back read-only, its own /proc, stand-in /etc/passwd and
+   /etc/group naming root and the sandbox uids. All but the private /tmp come from a template
+   namespace the zygote builds once (`build_template`); the run joins it and copies it
+   (`isolate_run_fs`); `isolate_fs` builds everything per run where no template could be built;
 5. holds O_PATH descriptors of the paths Landlock will grant (`confine.hold`: the uid may
    not be able to reach them), drops to the run's own uid and checks that no capability
    survived, `PR_SET_NO_NEW_PRIVS`, kills leftovers of that uid; its session keyring is the
    zygote's sealed one (permissions 0: no run can keep a key there);
 6. rlimits (RLIMIT_NPROC counts the uid's tasks: see runner._config);
-7. last, in `zygote.become_run`: the Landlock ruleset and the seccomp filter (`confine.py`),
-   which need no privilege and hold the code in every mode, an ordinary user's included.
+7. last, in `forker.become_run`: the Landlock ruleset and the seccomp filter (`confine.py`),
+   which need no privilege and hold the code in every mode, an ordinary user's included,
+   then RLIMIT_NOFILE (Landlock's rules take a descriptor each).
 
-The cleanup helper (`clean_uid`) runs as the uid after a run that left something: SIGKILL
-to all of the uid's processes (kill(-1) is atomic with respect to fork), then it clears and
-invalidates the uid's keyrings and removes its SysV objects and its files in world-writable
-directories, so nothing of a run is left for the next lessee of the uid, in this engine
-process or another. The zygote skips it when the run's cgroup is empty, the uid holds no
-key, and the namespaces kept IPC objects and files private (the common case: a fork saved).
+The cleanup helpers run after a run that may have left something. `clean_uid` runs as the uid:
+SIGKILL to all of the uid's processes (kill(-1) is atomic with respect to fork), then it clears
+and invalidates the uid's keyrings and removes its SysV objects and its files in world-writable
+directories, so nothing of a run is left for the next lessee of the uid, in this engine process
+or another. `clean_group` kills what is left of a run without a uid of its own (its process
+group) and removes its work dir. Both remove trees with `remove_tree` (no recursion, no link
+followed, whatever modes the run left) and say what they could not remove: the zygote then
+quarantines the uid. The zygote skips them when the run's cgroup is empty, the uid holds no key,
+and nothing of it can be outside its namespaces (the common case: a fork saved).
 
-Any setup failure exits with `SETUP_FAILED` (125) after writing `<nonce> <error>` to stderr,
-so the engine can tell a broken sandbox from the program's own exit status.
+Any setup failure exits with `SETUP_FAILED` (125) after writing the error to the run's status
+pipe, which the zygote reads and the model's code never holds.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ CLEAN_STRAYS = 10  # the cleanup helper's exit code when it had to kill processe
 CLEAN_LEFT = 11  # ... when something of the run is left that it could not remove (the uid is quarantined)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MNT_DETACH = 2
 # Per-mount flags a read-only bind remount must repeat, or the kernel refuses it (EPERM).
 KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "relatime": 1 << 21}
 CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWIPC = 0x40000000, 0x00020000, 0x08000000
@@ -85,6 +90,10 @@ class Libc:
         """mount(2)."""
         args = [None if a is None else a.encode() for a in (src, target, fstype)]
         self.check(self.lib.mount(*args, flags, None if data is None else data.encode()), f"mount {target}")
+
+    def umount(self, target: str) -> None:
+        """umount2(2) with MNT_DETACH."""
+        self.check(self.lib.umount2(target.encode(), MNT_DETACH), f"umount {target}")
 
     def unshare(self, flags: int) -> None:
         """unshare(2) (os.unshare arrives in 3.12)."""
@@ -160,11 +169,12 @@ def join_cgroups(cgroups: list[list[Any]]) -> None:
             f.write(str(os.getpid()))
 
 
-def _account_files(uid: int, home: str) -> dict[str, str]:
-    """Stand-in /etc/passwd and /etc/group naming root and the run's own uid only."""
+def _account_files(uids: range, home: str) -> dict[str, str]:
+    """Stand-in /etc/passwd and /etc/group naming root and the sandbox uids only."""
     return {
-        "passwd": f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:{home}:/usr/sbin/nologin\n",
-        "group": f"root:x:0:\nsandbox:x:{uid}:\n",
+        "passwd": "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n" + "".join(
+            f"sandbox:x:{uid}:{uid}:sandbox:{home}:/usr/sbin/nologin\n" for uid in uids),
+        "group": "root:x:0:\n" + "".join(f"sandbox:x:{uid}:\n" for uid in uids),
     }
 
 
@@ -180,7 +190,7 @@ def isolate_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in cfg["expose"]]
     libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk']},nr_inodes=8192,mode=755")
     _hide_and_bind_back(libc, cfg["hide"], held)
-    _stand_in_accounts(libc, uid, cfg["workdir"])
+    _stand_in_accounts(libc, range(uid, uid + 1), cfg["workdir"])
     try:  # a /proc of our own that shows the sandbox only its own processes
         libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except OSError:
@@ -211,6 +221,12 @@ def build_template(libc: Libc, cfg: dict[str, Any]) -> None:
     outside = [p for p in cfg["expose"] if not _under(p, "/tmp")]  # /tmp ones: per run, see below
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in outside]
     _hide_and_bind_back(libc, cfg["hide"], held)
+    # The stand-in accounts of every sandbox uid, written on a small tmpfs that is detached again
+    # once they are bound in place (the bind mounts keep the files; the host's /tmp shows again).
+    libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=16,mode=755")
+    first, count = cfg["accounts"]
+    _stand_in_accounts(libc, range(first, first + count), cfg["workdir"])
+    libc.umount("/tmp")
     try:  # a /proc of our own that shows the sandbox only its own processes
         libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except OSError:
@@ -220,7 +236,8 @@ def build_template(libc: Libc, cfg: dict[str, Any]) -> None:
 
 def isolate_run_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
     """In a copy of the template: a private size-limited tmpfs on /tmp, the interpreter's
-    directories under /tmp (a venv) bound back read-only, stand-in accounts, the workdir."""
+    directories under /tmp (a venv) bound back read-only, the workdir (the template holds the
+    stand-in accounts)."""
     inside = [p for p in cfg["expose"] if _under(p, "/tmp")]
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in inside]
     libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk']},nr_inodes=8192,mode=755")
@@ -231,13 +248,12 @@ def isolate_run_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
         libc.mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
         if not os.statvfs(path).f_flag & os.ST_RDONLY:
             raise OSError(30, f"could not make {path} read-only")
-    _stand_in_accounts(libc, uid, cfg["workdir"])
     os.mkdir(cfg["workdir"], 0o700)
     os.chown(cfg["workdir"], uid, uid)
 
 
-def _stand_in_accounts(libc: Libc, uid: int, home: str) -> None:
-    for name, text in _account_files(uid, home).items():
+def _stand_in_accounts(libc: Libc, uids: range, home: str) -> None:
+    for name, text in _account_files(uids, home).items():
         target = f"/etc/{name}"
         if os.path.isfile(target):  # the host's users and groups are none of the code's business
             stand_in = f"/tmp/.{name}"

@@ -282,7 +282,7 @@ def _probe_config(caps: _Capabilities, workdir: str) -> dict[str, Any]:
 
 def _try_layer(z: client.ZygoteClient, caps: _Capabilities) -> str:
     """Fork a probe child that builds the sandbox `caps` describe and exits; "" when it could."""
-    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-probe-{uuid.uuid4().hex}")
+    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{z.proc.pid}-probe-{uuid.uuid4().hex}")
     cfg = dict(_probe_config(caps, workdir), netns=caps.netns, ipcns=caps.ipcns)  # the layer asked for, seccomp or not
     read, write = os.pipe2(os.O_CLOEXEC)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
@@ -491,6 +491,7 @@ def _config(limits: SandboxLimits, uid: int | None, caps: _Capabilities, *, work
         if caps.cgroup != "rlimits" else []
     return {
         "uid": uid, "netns": netns, "mntns": caps.mntns, "ipcns": ipcns, "hide": caps.hide,
+        "accounts": [UID_BASE, UID_COUNT],
         "expose": caps.expose, "probe": probe, "dirty": dirty, "workdir": workdir, "disk": limits.disk_bytes,
         "cgroups": cgroups, "rlimits": _rlimits(limits, caps, uid), "env": _child_env(workdir),
         "landlock": "landlock" not in _LAYERS_OFF, "seccomp": seccomp,
@@ -580,7 +581,8 @@ async def _lease(uids: tuple[int, ...]) -> _Lease:
 
 
 class _Retry(Exception):
-    """The run's uid held leftovers that could not be removed: it is quarantined, lease another."""
+    """The run never started: its uid held leftovers that could not be removed (quarantined: lease
+    another), or its zygote had just died (start a new one)."""
 
 
 class _Collector:
@@ -653,19 +655,21 @@ async def run_python(
     Raises `SandboxError` only on what the host saw (the sandbox could not be set up, the zygote
     died): whatever the code prints, writes or exits with is its result."""
     caps = _caps if _caps is not None else await asyncio.to_thread(_capabilities)
-    for _ in range(len(caps.uids) + 1):
+    for _ in range(len(caps.uids) + 2):
         try:
             return await _run_once(code, limits, stdin, caps)
         except _Retry:
             continue
-    raise SandboxError("no sandbox uid could be cleaned for this run")
+    raise SandboxError("no sandbox uid could be cleaned for this run, or no zygote would take it")
 
 
 async def _run_once(code: str, limits: SandboxLimits, stdin: bytes | None, caps: _Capabilities) -> SandboxResult:
+    retried_zygote = client.current() is None  # a zygote started now is not retried if it fails at once
     z = client.current() or await asyncio.to_thread(_zygote)
     lease = await _lease(caps.uids) if caps.root else None
     uid = lease.uid if lease else None
-    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{uuid.uuid4().hex}")
+    # Named after the zygote, so that its forker finds every run's work dir should the zygote die.
+    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{z.proc.pid}-{uuid.uuid4().hex}")
     if uid is None:  # counting this user's tasks reads all of /proc: not on the event loop
         cfg = await asyncio.to_thread(_config, limits, uid, caps, workdir=workdir)
     else:
@@ -694,6 +698,8 @@ async def _run_once(code: str, limits: SandboxLimits, stdin: bytes | None, caps:
         if lease is not None:
             _release(lease, False)
         if isinstance(e, client.ZygoteError):
+            if z.dead and not retried_zygote:  # it died (or stopped taking runs) just before: a new one
+                raise _Retry() from e
             raise SandboxError(str(e)) from e
         raise
     finally:

@@ -1,37 +1,35 @@
-"""The zygote: a pre-started interpreter whose forker starts one supervised, sandboxed run per call.
+"""The zygote: a pre-started interpreter whose forker starts one sandboxed run per call.
 
 Run by path as `sys.executable -I zygote.py <json>` by `engine.sandbox.client`, with an
 empty environment (plus the child's few variables), `/` as its working directory, its own
 session, and one end of a SOCK_SEQPACKET socket pair as its only link to the engine. It
-imports `child.py`, `confine.py` (Landlock and seccomp) and `supervisor.py`, preloads some
+imports `child.py`, `confine.py` (Landlock and seccomp) and `forker.py`, preloads some
 modules, checks that it is single-threaded, forks the forker, says "ready", then serves.
 
-Three kinds of process, so that no run forks from a process that held another run's records:
-* the zygote keeps the records (each run's settings, its supervisor's socket, the uid lease it
-  holds until cleanup ends), answers the engine, builds the template mount namespace once
-  (`child.build_template`, kept alive by a holder process) and, should a supervisor die, cleans
-  up after its run itself (a forked helper);
-* the forker, forked before the first request, receives per call only the kind of sandbox (four
-  flags, to pick the Landlock rights and BPF program it built once per kind) and one end of a
-  socket pair, and forks a supervisor holding it;
-* the supervisor (`supervisor.py`) reads its own run's settings and descriptors from that
-  socket, forks the run, kills it on request, cleans up after it, and reports.
-The code of a run and its stdio travel as file descriptors straight to its supervisor and its
-run and are never read here.
+Two processes, so that no run forks from a process that held another run's records:
+* the zygote keeps the records (each run's settings, its setup pipe, the uid lease it holds until
+  cleanup ends), answers the engine, builds the template mount namespace once
+  (`child.build_template`, kept alive by a holder process), and after each run that may have left
+  something forks a cleanup helper (`child.clean_uid`, `child.clean_group`);
+* the forker (`forker.py`), forked before the first request, receives per call only a counter, four
+  flags and one end of a socket pair holding the run's settings, forks the run (which reads them),
+  and is its parent: it kills it on request, reaps it and its orphans, reports its exit, and when
+  the zygote dies kills every run and removes their work dirs.
+The code of a run and its stdio travel as file descriptors straight to the run and are never
+read here; its setup reports on a pipe only this process reads.
 
 Why what a run inherits from this warm interpreter is safe:
 * It was started by exec with a fresh environment, never forked from the engine, so it holds
   nothing of the engine's: no environment (API keys), no engine memory.
 * The run closes every descriptor but its three stdio pipes (and the code memfd, read first)
-  before anything else: it cannot talk to its supervisor, the zygote or another run.
+  before anything else: it cannot talk to the forker, the zygote or another run.
 * It is single-threaded (checked after preloading), so a fork copies no lock held by another thread.
 * Shared by all runs: the hash seed and the address layout of what was preloaded (the engine
   restarts the zygote every `client.RESTART_AFTER` runs), and `random`'s state, which Python
   reseeds in every forked child.
 
-When the engine's end of the socket closes, the zygote kills every run, waits for their
-supervisors to clean up, and exits; the forker exits with it. When the zygote itself dies,
-each supervisor sees its socket close and kills and cleans up its run all the same.
+When the engine's end of the socket closes, the zygote kills every run, cleans up after them,
+and exits; the forker exits with it.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ def _import_here(name: str) -> types.ModuleType:
 
 child = _import_here("child")
 confine = _import_here("confine")  # Landlock and seccomp, the layers that need no privilege
-supervisor = _import_here("supervisor")
+forker = _import_here("forker")
 
 
 def send(ctl: socket.socket, message: dict[str, Any]) -> None:
@@ -81,45 +79,20 @@ def kind_of(cfg: dict[str, Any]) -> list[bool]:
             cfg["uid"] is not None]
 
 
-def forker(sock: socket.socket, layers: dict[str, Any]) -> None:  # pragma: no cover - its own process
-    """The forker's loop: per request, fork a supervisor holding the socket end that came with it."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
-    prepared: dict[tuple[bool, ...], dict[str, Any]] = {}
-    while True:
-        try:
-            data, fds = supervisor.recv_fds(sock, 4096)
-        except InterruptedError:
-            continue
-        except OSError:
-            data, fds = b"", []
-        if not data:
-            os._exit(0)  # the zygote is gone
-        kind = tuple(json.loads(data)["kind"])
-        if kind not in prepared:  # the BPF program and the Landlock rights: once per kind
-            landlock, seccomp, mntns, own_uid = kind
-            prepared[kind] = confine.prepare({"landlock": landlock, "seccomp": seccomp, "mntns": mntns,
-                                              "uid": 0 if own_uid else None}, layers)
-        pid = os.fork()
-        if pid == 0:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            sock.close()
-            supervisor.Supervisor(socket.socket(fileno=fds[0]), prepared[kind]).main()
-        for fd in fds:
-            os.close(fd)
-
-
 class Zygote:
-    """The serving loop: requests from the engine, reports of supervisors, exits of helpers."""
+    """The serving loop: requests from the engine, reports of the forker, exits of helpers."""
 
-    def __init__(self, ctl: socket.socket, forker_sock: socket.socket) -> None:
-        self.ctl, self.forker = ctl, forker_sock
+    def __init__(self, ctl: socket.socket, fork_sock: socket.socket, layers: dict[str, Any]) -> None:
+        self.ctl, self.forker = ctl, fork_sock
+        self.layers = layers  # what the kernel offers (confine.kernel_layers)
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ, "engine")
-        self.sel.register(forker_sock, selectors.EVENT_READ, "forker")
+        self.sel.register(fork_sock, selectors.EVENT_READ, "forker")
         self.runs: dict[int, dict[str, Any]] = {}  # id -> run record
-        self.helpers: dict[int, tuple[int, int]] = {}  # pid of a fallback cleanup -> (run id, its report pipe)
-        # SIGCHLD wakes the selector. As a child subreaper we inherit orphans a dead supervisor
-        # left and reap them at once, so no zombie lingers under an init that reaps slowly.
+        self.by_pid: dict[int, int] = {}  # a run's pid (until it exited) -> its id
+        self.waiting: dict[int, tuple[int, str, int | None]] = {}  # helper pid -> (run id, "pre" | "clean", pipe)
+        # SIGCHLD wakes the selector. As a child subreaper we inherit orphans the forker left should
+        # it die, and reap them at once, so no zombie lingers under an init that reaps slowly.
         child.libc().prctl(PR_SET_CHILD_SUBREAPER, 1, "prctl(PR_SET_CHILD_SUBREAPER)")
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
@@ -132,7 +105,7 @@ class Zygote:
         """A descriptor of the mount namespace runs like `cfg` start from, built on first use
         by a holder process that keeps it alive; None when it cannot be built (each run then
         builds its own from scratch)."""
-        key = json.dumps([cfg["hide"], cfg["expose"], cfg.get("accounts")])
+        key = json.dumps([cfg["hide"], cfg["expose"], cfg["accounts"]])
         if key not in self.templates:
             self.templates[key] = self.build_template(cfg)
         return self.templates[key]
@@ -167,17 +140,19 @@ class Zygote:
         """Serve until the engine closes its end (or the forker is gone: nothing could run)."""
         while True:
             for key, _ in self.sel.select():
-                if key.data in ("engine", "forker"):
-                    if not (key.data == "engine" and self.on_request()):
+                if key.data == "engine":
+                    if not self.on_request():
                         self.shutdown()
                         return
-                elif key.data == "sigchld":
-                    self.reap()
+                elif key.data == "forker":
+                    if not self.on_forker():
+                        self.shutdown(forker_gone=True)
+                        return
                 else:
-                    self.on_supervisor(key.data)
+                    self.reap()
 
     def reap(self) -> None:
-        """Reap every exited child; a fallback cleanup's end finishes its run, others are just gone."""
+        """Reap every exited child; helpers move their runs on, orphans are just gone."""
         try:
             while os.read(self.wake_r, 512):
                 pass
@@ -190,90 +165,163 @@ class Zygote:
                 return
             if pid == 0:
                 return
-            if pid in self.helpers:
+            if pid in self.waiting:
                 self.helped(pid, os.waitstatus_to_exitcode(status))
 
     def on_request(self) -> bool:
         try:
-            data, fds = supervisor.recv_fds(self.ctl)
+            data, fds = forker.recv_fds(self.ctl)
         except InterruptedError:
             return True
         if not data:
             return False
         msg = json.loads(data)
         if msg["op"] == "run":
-            self.start(msg["id"], msg["cfg"], fds)
+            # The lease lock (a dup of the engine's flocked descriptor) is held until the run is
+            # cleaned up, so a uid is never leased again while something of its run may be left,
+            # even when the engine died first.
+            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds[:4], "hold": fds[4] if len(fds) > 4 else None,
+                   "killed": False, "pid": None, "pgid": None, "status": None, "strays": False, "rc": None,
+                   "t": [time.monotonic()]}
+            self.runs[msg["id"]] = run
+            if msg["cfg"].get("dirty"):  # a lease a crashed engine left: clean before use
+                self.start_clean(run, first=True)
+            else:
+                self.start_run(run)
             return True
         for fd in fds:
             os.close(fd)
         run = self.runs.get(msg["id"])
         if msg["op"] == "kill" and run is not None:
             run["killed"] = True
-            self.tell(run, {"op": "kill"})
+            if run["pid"] is not None:
+                self.tell_forker({"op": "kill", "pid": run["pid"]})
         return True
 
-    def start(self, run_id: int, cfg: dict[str, Any], fds: list[int]) -> None:
-        """Hand a run to a new supervisor: its settings and descriptors on a socket of its own,
-        the other end through the forker. The lease lock (a dup of the engine's flocked
-        descriptor) is kept until the run is cleaned up, so a uid is never leased again while
-        something of its run may be left, even when the engine died first."""
-        names = list(supervisor.FDS[:len(fds)])
-        run = {"id": run_id, "cfg": cfg, "killed": False, "pid": None, "sock": None, "t": [time.monotonic()],
-               "hold": os.dup(fds[names.index("lease")]) if "lease" in names else None}
-        self.runs[run_id] = run
-        sent = list(fds)
+    def tell_forker(self, message: dict[str, Any], fds: list[int] | None = None) -> bool:
+        try:
+            forker.send_fds(self.forker, message, fds or [])
+            return True
+        except OSError:
+            return False
+
+    def start_run(self, run: dict[str, Any]) -> None:
+        """Write the run's settings and descriptors into a fresh socket and hand the other end to the forker."""
+        if run["killed"]:
+            self.finish(run, -signal.SIGKILL, False)
+            return
+        cfg = run["cfg"]
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        run["status"] = status_r
+        names, sent = ["stdin", "stdout", "stderr", "code", "status"], [*run["fds"], status_w]
         template = self.template(cfg) if cfg["mntns"] else None
         if template is not None:
             names.append("template")
             sent.append(template)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            supervisor.send_fds(ours, {"cfg": dict(cfg, fds=names)}, sent)
-            supervisor.send_fds(self.forker, {"kind": kind_of(cfg)}, [theirs.fileno()])
-        except OSError as e:
-            ours.close()
-            self.finish(run, {"rc": None, "strays": False, "error": f"the sandbox forker is gone: {e}"})
-            return
+            forker.send_fds(ours, {"cfg": dict(cfg, fds=names)}, sent)
+            sent_ok = self.tell_forker({"op": "run", "id": run["id"], "kind": kind_of(cfg)}, [theirs.fileno()])
+        except OSError:
+            sent_ok = False
         finally:
+            ours.close()  # what it holds waits in the socket for the run
             theirs.close()
-            for fd in fds:
-                os.close(fd)
-        run["sock"] = ours
-        self.sel.register(ours, selectors.EVENT_READ, run_id)
+            os.close(status_w)
+            self.close_fds(run)
+        if not sent_ok:
+            self.finish(run, None, False, "the sandbox's forker is gone")
 
-    @staticmethod
-    def tell(run: dict[str, Any], message: dict[str, Any]) -> None:
-        if run["sock"] is not None:
-            try:
-                run["sock"].send(json.dumps(message).encode())
-            except OSError:
-                pass  # the supervisor is gone: its socket's end says so next
+    def close_fds(self, run: dict[str, Any]) -> None:
+        for fd in run["fds"]:
+            os.close(fd)
+        run["fds"] = []
 
-    def on_supervisor(self, run_id: int) -> None:
-        run = self.runs[run_id]
+    def on_forker(self) -> bool:
         try:
-            data = run["sock"].recv(1 << 16)
+            data = self.forker.recv(1 << 16)
         except OSError:
             data = b""
-        if not data:  # the supervisor died before its report: clean up after its run ourselves
-            self.fallback(run)
-            return
+        if not data:
+            return False
         msg = json.loads(data)
         if msg["event"] == "started":
-            run["pid"] = msg["pid"]
-        elif msg["event"] == "done":
-            self.finish(run, msg)
+            run = self.runs.get(msg["id"])
+            if run is not None:
+                run["pid"], run["pgid"] = msg["pid"], msg["pid"]  # the run calls setsid: its pid is its group
+                run["t"].append(time.monotonic())
+                self.by_pid[msg["pid"]] = run["id"]
+                if run["killed"]:
+                    self.tell_forker({"op": "kill", "pid": msg["pid"]})
+        elif msg["event"] == "exited":
+            run_id = self.by_pid.pop(msg["pid"], None)
+            if run_id is not None:
+                self.on_exit(self.runs[run_id], msg["rc"])
+        return True
 
-    def close_sock(self, run: dict[str, Any]) -> None:
-        if run["sock"] is not None:
-            self.sel.unregister(run["sock"])
-            run["sock"].close()
-            run["sock"] = None
+    def on_exit(self, run: dict[str, Any], rc: int) -> None:
+        run["t"].append(time.monotonic())
+        run["rc"], run["pid"] = rc, None  # reaped: its pid may be anyone's now, never signal it again
+        if run["cfg"]["uid"] is None:  # reaped: a group member left keeps the pgid taken
+            run["strays"] = self.killpg(run["pgid"])
+        self.start_clean(run)
 
-    def fallback(self, run: dict[str, Any]) -> None:
-        """Fork a helper that kills and removes what the run left, as its supervisor would have."""
-        self.close_sock(run)
+    def setup_error(self, run: dict[str, Any]) -> str | None:
+        """What the run's setup said on its pipe: None once it got to the model's code, else why not."""
+        fd, run["status"] = run["status"], None
+        if fd is None:
+            return None
+        try:
+            said = os.read(fd, forker.STATUS_LIMIT)
+        except OSError:
+            said = b""
+        finally:
+            os.close(fd)
+        if said == b"ok":
+            return None
+        if not said:  # not a word: killed before it was ready (by us, or it died: say which)
+            return None if run["killed"] else f"the sandbox's run died while it was set up (exit {run['rc']})"
+        return said.decode(errors="replace")
+
+    def needs_clean(self, run: dict[str, Any]) -> bool:
+        """Whether the run may have left anything: processes, keys, shared IPC objects, files."""
         cfg = run["cfg"]
+        if cfg["uid"] is None:  # its process group may be dying still, its working directory on the host
+            return run["strays"] or not cfg["mntns"] and not self.remove_plain_workdir(cfg["workdir"], os.getuid())
+        if not cfg["cgroups"] or child.cgroups_busy(cfg["cgroups"]) or child.key_state(cfg["uid"]) != "":
+            return True
+        if cfg["mntns"] and cfg["ipcns"]:
+            return False
+        if not (cfg.get("landlock", True) and cfg.get("seccomp", True) and self.layers["landlock"]
+                and self.layers["seccomp"]):
+            return True  # SysV objects or files in shared directories may be left
+        # seccomp refused SysV, queues and keys, Landlock every write outside the work dir, and no
+        # process of the uid is left: only the work dir on the host remains, without a mount namespace.
+        return not cfg["mntns"] and not self.remove_plain_workdir(cfg["workdir"], cfg["uid"])
+
+    @staticmethod
+    def remove_plain_workdir(workdir: str, uid: int) -> bool:
+        """Remove a work dir holding nothing but the program (the common case), without a
+        fork; False when it holds more (the cleanup helper removes it)."""
+        try:
+            st = os.lstat(workdir)
+            names = os.listdir(workdir)
+            if not (os.path.isdir(workdir) and not os.path.islink(workdir) and st.st_uid == uid) or \
+                    not set(names) <= {"main.py"}:
+                return False
+            for name in names:
+                os.unlink(os.path.join(workdir, name))  # a symlink is removed, never followed
+            os.rmdir(workdir)
+            return True
+        except OSError:
+            return False
+
+    def start_clean(self, run: dict[str, Any], first: bool = False) -> None:
+        cfg = run["cfg"]
+        uid, workdir = cfg["uid"], None if cfg["mntns"] else cfg["workdir"]
+        if not first and not self.needs_clean(run):
+            self.finish(run, run["rc"], run["strays"])
+            return
         said_r, said_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the helper
@@ -282,60 +330,107 @@ class Zygote:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 self.ctl.detach()
-                workdir = None if cfg["mntns"] else cfg["workdir"]
-                if cfg["uid"] is None:
-                    code, problem = child.clean_group(run["pid"], workdir)
+                self.forker.detach()
+                if uid is None:
+                    code, problem = child.clean_group(run["pgid"], workdir)
                 else:
-                    code, problem = child.clean_uid(cfg["uid"], workdir, True, True)
-                os.write(said_w, problem.encode()[:supervisor.STATUS_LIMIT])
+                    # A crashed engine's run (first) may have used any mode: clean everything.
+                    code, problem = child.clean_uid(uid, workdir, first or not cfg["ipcns"], first or not cfg["mntns"])
+                os.write(said_w, problem.encode()[:forker.STATUS_LIMIT])
             except BaseException as e:  # noqa: BLE001 - reported as what is left
-                os.write(said_w, f"{type(e).__name__}: {e}".encode()[:supervisor.STATUS_LIMIT])
+                os.write(said_w, f"the cleanup helper failed: {type(e).__name__}: {e}".encode()[:forker.STATUS_LIMIT])
             finally:
                 os._exit(code)
         os.close(said_w)
-        self.helpers[pid] = (run["id"], said_r)
+        self.waiting[pid] = (run["id"], "pre" if first else "clean", said_r)
 
     def helped(self, pid: int, rc: int) -> None:
-        run_id, said_r = self.helpers.pop(pid)
+        run_id, what, said_r = self.waiting.pop(pid)
         with os.fdopen(said_r, "rb") as f:
             problem = f.read().decode(errors="replace")
         if rc not in (0, child.CLEAN_STRAYS):
             problem = problem or f"the cleanup helper exited {rc}"
         run = self.runs[run_id]
-        if run["hold"] is not None:
-            try:
-                if problem:
-                    os.pwrite(run["hold"], b"Q " + problem.encode(), 0)
-                else:
-                    os.ftruncate(run["hold"], 0)
-            except OSError:
-                pass  # stays marked dirty: the next lessee cleans first
-        self.finish(run, {"rc": None, "strays": True, "error": None, "quarantine": problem or None})
+        if what == "pre":
+            if problem:  # the leftovers of a crashed engine's run stay: never use this uid again
+                self.mark(run, problem)
+                self.finish(run, None, True, quarantine=problem, retry=True)
+            else:
+                self.start_run(run)
+            return
+        self.finish(run, run["rc"], run["strays"] or rc == child.CLEAN_STRAYS or bool(problem), quarantine=problem)
 
-    def finish(self, run: dict[str, Any], report: dict[str, Any]) -> None:
-        self.close_sock(run)
+    @staticmethod
+    def mark(run: dict[str, Any], problem: str) -> None:
+        """The uid's lease file: empty once nothing of the run is left, else quarantined with the reason."""
+        if run["hold"] is None:
+            return
+        try:
+            if problem:
+                os.pwrite(run["hold"], b"Q " + problem.encode()[:forker.STATUS_LIMIT], 0)
+            else:
+                os.ftruncate(run["hold"], 0)
+        except OSError:
+            pass  # stays marked dirty: the next lessee cleans first
+
+    def finish(self, run: dict[str, Any], rc: int | None, strays: bool, error: str | None = None,
+               quarantine: str = "", retry: bool = False) -> None:
+        error = error or run.get("error") or self.setup_error(run)
+        if not retry:
+            self.mark(run, quarantine)
+        self.close_fds(run)
         if run["hold"] is not None:
             os.close(run["hold"])
         self.runs.pop(run["id"], None)
-        report = {"error": None, "quarantine": None, "retry": False, **report}
-        report["t"] = run["t"] + list(report.get("t") or [])  # received here, then the supervisor's stamps
-        send(self.ctl, {"id": run["id"], "event": "done", **{k: report[k] for k in
-             ("rc", "strays", "error", "quarantine", "retry", "t")}})
+        run["t"].append(time.monotonic())  # received, started, exited, cleaned up (CLOCK_MONOTONIC)
+        send(self.ctl, {"id": run["id"], "event": "done", "rc": rc, "strays": strays, "error": error,
+                        "quarantine": quarantine or None, "retry": retry, "t": run["t"]})
 
-    def shutdown(self) -> None:
-        """The engine is gone: kill every run, let the supervisors clean up, exit."""
+    @staticmethod
+    def killpg(pgid: int | None) -> bool:
+        if pgid is None:
+            return False
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+            return True
+        except OSError:
+            return False
+
+    def cleaning(self) -> set[int]:
+        """Runs a helper is cleaning up after (or before) now."""
+        return {run_id for run_id, _, _ in self.waiting.values()}
+
+    def shutdown(self, forker_gone: bool = False) -> None:
+        """The engine (or the forker) is gone: kill every run, clean up after it, exit."""
         for run in list(self.runs.values()):
-            self.tell(run, {"op": "kill"})
+            run["killed"] = True
+            if run["pid"] is None:
+                continue
+            if forker_gone:  # it died with the forker (PR_SET_PDEATHSIG): clean up after it
+                self.by_pid.pop(run["pid"], None)
+                run.update(pid=None, strays=True, error="the sandbox's forker died during the run")
+                self.start_clean(run)
+            else:
+                self.tell_forker({"op": "kill", "pid": run["pid"]})
         deadline = time.monotonic() + SHUTDOWN_S
-        for what in ("engine", "forker"):
-            self.sel.unregister(self.ctl if what == "engine" else self.forker)
+        self.sel.unregister(self.ctl)
+        try:  # no new run: the engine's next one fails at once and goes to a new zygote
+            self.ctl.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+        if forker_gone:
+            self.sel.unregister(self.forker)
         while self.runs and time.monotonic() < deadline:
+            if forker_gone:  # a run not started (nor being cleaned) never will be
+                for run in [r for r in self.runs.values() if r["id"] not in self.cleaning()]:
+                    self.finish(run, None, False, "the sandbox's forker is gone")
             for key, _ in self.sel.select(timeout=1):
                 if key.data == "sigchld":
                     self.reap()
-                else:
-                    self.on_supervisor(key.data)
-        self.forker.close()  # the forker exits
+                elif key.data == "forker" and not self.on_forker():
+                    self.sel.unregister(self.forker)
+                    forker_gone = True
+        self.forker.close()  # the forker kills whatever is left and exits
         for pid in self.holders:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -425,10 +520,10 @@ def main() -> None:
     if os.fork() == 0:  # the forker: a copy taken before any request, so it holds no run's record
         ctl.close()
         ours.close()
-        forker(theirs, layers)
+        forker.Forker(theirs, layers).serve()
     theirs.close()
     send(ctl, ready)
-    Zygote(ctl, ours).serve()
+    Zygote(ctl, ours, layers).serve()
 
 
 if __name__ == "__main__":
