@@ -1,10 +1,13 @@
-"""Tool-call formats by SGLang's `--tool-call-parser` names: which text is a call, and its arguments.
+"""Tool-call and reasoning formats by SGLang's names: which text of a turn is reasoning, which a call, and its arguments.
 
-Membership: code that reads one model turn's text into content and calls, one family per module.
+Membership: code that reads one model turn's text into reasoning, content and calls, one family
+per module. A turn is split by the reasoning parser (`--reasoning-parser` names, `reasoning`),
+then the rest is read by the tool-call parser (`--tool-call-parser` names), as SGLang serves it.
 Parsers plug in by registration, as tools and profiles do:
 `register_tool_parser("mine", MyParser())` (or "module:attr", imported on first use) in a
-module named in `engine_tool_modules`, then `engine_tool_parser: mine`. Any other SGLang name
-works through SGLang's own detector where SGLang is importable.
+module named in `engine_tool_modules`, then `engine_tool_parser: mine`; likewise
+`register_reasoning_parser`. Any other SGLang name works through SGLang's own parser where
+SGLang is importable.
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from engine.profiles.base import TurnReading
 from engine.profiles.parsers.base import ParsedTurn, Schemas, ToolParser
 from engine.profiles.parsers.harmony import HarmonyParser
 from engine.profiles.parsers.json_calls import DeepSeekParser, HermesParser, KimiK2Parser, Llama3Parser, MistralParser
 from engine.profiles.parsers.pythonic import PythonicParser
+from engine.profiles.parsers.reasoning import (
+    NONE, ReasoningParser, default_reasoning_parser, detect_reasoning_parser, get_reasoning_parser, opens_reasoning,
+    reasoning_parser_names, register_reasoning_parser,
+)
 from engine.profiles.parsers.sglang import SGLangDetectorParser, sglang_parser_names
 from engine.profiles.parsers.tagged import GlmParser, MiniMaxM2Parser, Qwen3CoderParser
 
@@ -147,20 +155,13 @@ def _family(parser: ToolParser) -> tuple[str, Any]:
     return type(parser).__name__, getattr(parser, "v31", None)
 
 
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, the rest): `<think>...</think>` blocks (the opening tag may be in the prompt),
-    and a block still open at the end of the turn. A call written there is not run."""
-    reasoning = ""
-    at = text.rfind(_THINK_CLOSE)
-    if at >= 0:
-        reasoning, text = text[: at + len(_THINK_CLOSE)], text[at + len(_THINK_CLOSE):]
-    opened = text.find(_THINK_OPEN)
-    if opened >= 0:
-        reasoning, text = reasoning + text[opened:], text[:opened]
-    return reasoning, text
+def read_turn(text: str, tool_parser: ToolParser, reasoning: ReasoningParser | None, schemas: Schemas, *,
+              forced: bool = False) -> TurnReading:
+    """One model turn as SGLang serves it: the reasoning split off (`forced`: the prompt opened it),
+    then calls and content read from the rest."""
+    thought, rest = reasoning.split(text, forced) if reasoning is not None else ("", text)
+    parsed = tool_parser.parse(rest, schemas)
+    return TurnReading(thought, parsed.content, parsed.calls)
 
 
 def foreign_format(text: str, configured: str, schemas: Schemas, *, offered: bool = False) -> str | None:
@@ -186,6 +187,8 @@ def foreign_format(text: str, configured: str, schemas: Schemas, *, offered: boo
 
 
 __all__ = [
-    "DEFAULT", "ParsedTurn", "Schemas", "ToolParser", "default_tool_parser", "detect_tool_parser", "foreign_format",
-    "get_tool_parser", "native_parser_names", "register_tool_parser", "split_reasoning", "tool_parser_names",
+    "DEFAULT", "NONE", "ParsedTurn", "ReasoningParser", "Schemas", "ToolParser", "default_reasoning_parser",
+    "default_tool_parser", "detect_reasoning_parser", "detect_tool_parser", "foreign_format", "get_reasoning_parser",
+    "get_tool_parser", "native_parser_names", "opens_reasoning", "read_turn", "reasoning_parser_names", "register_reasoning_parser",
+    "register_tool_parser", "tool_parser_names",
 ]
