@@ -75,7 +75,10 @@ class ChatProfile:
         self.tokenizer = tokenizer
         # Whether every turn starts inside the reasoning: the template's generation prompt opens it
         # (Qwen3.5, GLM-4.7, DeepSeek-V3.1 with thinking), as SGLang forces thinking for such a request.
-        prompt = tokenizer.apply_chat_template([_PROBE_USER], tokenize=False, add_generation_prompt=True)
+        try:
+            prompt = tokenizer.apply_chat_template([_PROBE_USER], tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that cannot render a lone user message: the glue below says so
+            prompt = ""
         self.thinking_forced = parsers.opens_reasoning(prompt, self.reasoning)
         self.codec = Codec(tokenizer)
         self._glue: tuple[dict[str, Any], str, Form] | None = None  # the turn tool_delta renders, its text from the sentinel on

@@ -206,17 +206,17 @@ def detect_reasoning_parser(template: str | None) -> str:
         return "mistral"
     if "<|tool_calls_section_begin|>" in template:
         return "kimi_k2"
-    if "<minimax:tool_call>" in template and "<think>" in template:
+    if "<minimax:tool_call>" in template:
         return "minimax"
-    if "<think>" not in template:
+    if "<think>" not in template and "</think>" not in template:
         return NONE
     if "<arg_key>" in template:
         return "glm45"
-    if "<｜Assistant｜>" in template:  # DeepSeek: V3.1 switches thinking by a template variable; R1 always thinks
-        return "deepseek-v3" if re.search(r"\bthinking\b", template) else "deepseek-r1"
-    if "<tool_call>" in template and "<|im_start|>" in template and "enable_thinking" not in template:
-        return "deepseek-r1"  # QwQ: a Qwen template that always opens <think>, with no switch
-    return "qwen3"
+    if "enable_thinking" in template:  # Qwen3, Qwen3.5: thinking switched by enable_thinking
+        return "qwen3"
+    if "<｜Assistant｜>" in template and re.search(r"\bthinking\b", template):
+        return "deepseek-v3"  # DeepSeek-V3.1: switched by `thinking`, off unless asked
+    return "deepseek-r1"  # R1, QwQ, and any other template with think tags: it always reasons
 
 
 def default_reasoning_parser(tokenizer: Any) -> str:
