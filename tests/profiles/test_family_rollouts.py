@@ -35,6 +35,7 @@ from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args
 
 CODE = "print('héllo 世界 🦜', 6 * 7)"
 OUTPUT = "Output:\nhéllo 世界 🦜 42"  # what code_interpreter answers
+ANSWER = "It printed 42.\nAnswer: \\boxed{42}"
 FAMILIES = {
     # model: (parser the template names, the turn after the generation prompt, the role the result is in)
     "glm-4.7-flash": ("glm47", "I should run it.</think>Let me check.<tool_call>code_interpreter<arg_key>code</arg_key>"
@@ -46,6 +47,17 @@ FAMILIES = {
     "deepseek-v3.1": ("deepseekv31", "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>code_interpreter<｜tool▁sep｜>"
                       f'{{"code": "print(\'héllo 世界 🦜\', 6 * 7)"}}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "<｜tool▁output▁begin｜>"),
 }
+
+
+def _roll_out(path: str, script: list[httpx.Response]) -> tuple[Sample, ScriptedServer]:
+    """One sample through slime's generate with the model's tokenizer at `path`, the script answering."""
+    server = ScriptedServer(script)
+    sample = Sample(prompt="What is 6 * 7? Use the tool.", label="42")
+    with respx.mock(assert_all_called=False) as mock:
+        mock.post(URL + "/generate").mock(side_effect=server)
+        run(slime.generate(make_args(hf_checkpoint=path, engine_profile="chat", engine_tools=["code_interpreter"]),
+                           sample, dict(SAMPLING)))
+    return sample, server
 
 
 def _reply(ids: list[int], text: str) -> httpx.Response:
@@ -66,13 +78,8 @@ def test_a_rollout_in_the_family_s_own_format_and_template(model: str) -> None:
     encode = profile.codec.encode
     call_ids = encode(call_turn) + [profile.closer_id]  # the server returned the turn-ending token
     assert any("\ufffd" in profile.decode([i]) for i in encode(CODE)), "some character spans several tokens"
-    answer_ids = encode("It printed 42.\nAnswer: \\boxed{42}") + [profile.eos_id]
-    server = ScriptedServer([_reply(call_ids, call_turn), _reply(answer_ids, "")])
-    sample = Sample(prompt="What is 6 * 7? Use the tool.", label="42")
-    with respx.mock(assert_all_called=False) as mock:
-        mock.post(URL + "/generate").mock(side_effect=server)
-        run(slime.generate(make_args(hf_checkpoint=path, engine_profile="chat", engine_tools=["code_interpreter"]),
-                           sample, dict(SAMPLING)))
+    answer_ids = encode(ANSWER) + [profile.eos_id]
+    sample, server = _roll_out(path, [_reply(call_ids, call_turn), _reply(answer_ids, "")])
     fsm = sample.metadata["fsm"]
     assert sample.status == Sample.Status.COMPLETED, fsm
     assert fsm["tool_stats"]["calls"] == 1 and not fsm["tool_stats"].get("errors"), fsm["tool_stats"]
@@ -150,13 +157,8 @@ def test_with_thinking_on_a_call_after_the_reasoning_runs_and_one_inside_it_does
     first = encode(case["text"]) + [profile.closer_id if runs else profile.eos_id]
     script = [_reply(first, case["text"])]
     if runs:
-        script.append(_reply(encode("It printed 42.\nAnswer: \\boxed{42}") + [profile.eos_id], ""))
-    server = ScriptedServer(script)
-    sample = Sample(prompt="What is 6 * 7? Use the tool.", label="42")
-    with respx.mock(assert_all_called=False) as mock:
-        mock.post(URL + "/generate").mock(side_effect=server)
-        run(slime.generate(make_args(hf_checkpoint=path, engine_profile="chat", engine_tools=["code_interpreter"]),
-                           sample, dict(SAMPLING)))
+        script.append(_reply(encode(ANSWER) + [profile.eos_id], ""))
+    sample, server = _roll_out(path, script)
     fsm = sample.metadata["fsm"]
     assert sample.status == Sample.Status.COMPLETED, fsm
     assert len(server.requests) == len(script)

@@ -12,7 +12,6 @@ SGLang is importable.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from engine.profiles.parsers.base import ParsedTurn, Schemas, ToolParser
 from engine.profiles.parsers.harmony import HarmonyParser
 from engine.profiles.parsers.json_calls import DeepSeekParser, HermesParser, KimiK2Parser, Llama3Parser, MistralParser
 from engine.profiles.parsers.pythonic import PythonicParser
+from engine.profiles.parsers.registry import ParserRegistry
 from engine.profiles.parsers.reasoning import (
     NONE, ReasoningParser, default_reasoning_parser, detect_reasoning_parser, get_reasoning_parser, opens_reasoning,
     reasoning_parser_names, register_reasoning_parser,
@@ -52,50 +52,28 @@ _NATIVE: dict[str, Callable[[], ToolParser]] = {
     "gpt-oss": HarmonyParser,
     "minimax-m2": MiniMaxM2Parser,
 }
-_REGISTERED: dict[str, ToolParser | str] = {}
-_BUILT: dict[str, ToolParser] = {}
+_TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry("tool parser", _NATIVE, sglang_parser_names, SGLangDetectorParser)
 
 
 def register_tool_parser(name: str, parser: ToolParser | str, *, replace: bool = False) -> None:
     """Make `engine_tool_parser: name` read turns with `parser` (an object with `parse(text, schemas)`,
     or "module:attr" naming one, imported on first use)."""
-    if (name in _REGISTERED or name in _NATIVE) and not replace:
-        raise ValueError(f"a tool parser named {name!r} is already registered")
-    _REGISTERED[name] = parser
-    _BUILT.pop(name, None)
+    _TOOL_PARSERS.register(name, parser, replace=replace)
 
 
 def native_parser_names() -> tuple[str, ...]:
     """The names read by the engine itself (SGLang not needed), sorted."""
-    return tuple(sorted(set(_NATIVE) | set(_REGISTERED)))
+    return _TOOL_PARSERS.native_names()
 
 
 def tool_parser_names() -> tuple[str, ...]:
     """Every name `engine_tool_parser` accepts here: native, registered, and SGLang's where importable."""
-    return tuple(sorted(set(native_parser_names()) | set(sglang_parser_names())))
+    return _TOOL_PARSERS.names()
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as `name`; ValueError (one line listing the known names) otherwise."""
-    parser = _BUILT.get(name)
-    if parser is not None:
-        return parser
-    if name in _REGISTERED:
-        entry = _REGISTERED[name]
-        if isinstance(entry, str):
-            module, _, attr = entry.partition(":")
-            entry = getattr(importlib.import_module(module), attr)
-            entry = entry() if isinstance(entry, type) else entry
-        parser = entry
-    elif name in _NATIVE:
-        parser = _NATIVE[name]()
-    elif name in sglang_parser_names():
-        parser = SGLangDetectorParser(name)
-    else:
-        more = "" if sglang_parser_names() else " (SGLang's other names need sglang importable)"
-        raise ValueError(f"unknown tool parser {name!r}: known are {', '.join(tool_parser_names())}{more}")
-    _BUILT[name] = parser
-    return parser
+    return _TOOL_PARSERS.get(name)
 
 
 # Markers of each family in a chat template, most specific first: the first found names the parser.

@@ -19,13 +19,15 @@ Any other SGLang name is read through SGLang's own parser where `sglang` is impo
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import attrs
+
+from engine.profiles.parsers.registry import ParserRegistry
 
 log = logging.getLogger(__name__)
 NONE = "none"
@@ -121,36 +123,20 @@ class SGLangReasoning:
         return reasoning or "", rest or ""
 
 
-_QWEN = dict(tool_start="<tool_call>")
-_NATIVE: dict[str, Callable[[str], ReasoningParser]] = {
-    **{name: (lambda n: TaggedReasoning(n, **_QWEN)) for name in (
+_QWEN = {"tool_start": "<tool_call>"}
+_NATIVE: dict[str, Callable[[], ReasoningParser]] = {
+    **{n: partial(TaggedReasoning, n, **_QWEN) for n in (
         "qwen3", "deepseek-v3", "glm45", "nanbeige", "interns1", "dots", "mimo", "poolside_v1", "nemotron_3")},
-    **{name: (lambda n: TaggedReasoning(n, always=True, **_QWEN)) for name in ("qwen3-thinking", "minimax")},
-    **{name: (lambda n: TaggedReasoning(n, always=True)) for name in ("deepseek-r1", "step3", "step3p5", "gigachat35")},
-    **{name: (lambda n: TaggedReasoning(n)) for name in ("deepseek-v4", "deepseek-v41")},
-    "kimi": lambda n: TaggedReasoning(n, start="◁think▷", end="◁/think▷"),
-    "kimi_k2": lambda n: TaggedReasoning(n, tool_start="<|tool_calls_section_begin|>"),
-    "mistral": lambda n: TaggedReasoning(n, start="[THINK]", end="[/THINK]"),
-    "gemma4": lambda n: TaggedReasoning(n, start="<|channel>", end="<channel|>", label="thought\n"),
-    "gpt-oss": lambda n: HarmonyReasoning(n),
-    "minimax-append-think": lambda n: OpenedReasoning(n),
+    **{n: partial(TaggedReasoning, n, always=True, **_QWEN) for n in ("qwen3-thinking", "minimax")},
+    **{n: partial(TaggedReasoning, n, always=True) for n in ("deepseek-r1", "step3", "step3p5", "gigachat35")},
+    **{n: partial(TaggedReasoning, n) for n in ("deepseek-v4", "deepseek-v41")},
+    "kimi": partial(TaggedReasoning, "kimi", start="◁think▷", end="◁/think▷"),
+    "kimi_k2": partial(TaggedReasoning, "kimi_k2", tool_start="<|tool_calls_section_begin|>"),
+    "mistral": partial(TaggedReasoning, "mistral", start="[THINK]", end="[/THINK]"),
+    "gemma4": partial(TaggedReasoning, "gemma4", start="<|channel>", end="<channel|>", label="thought\n"),
+    "gpt-oss": HarmonyReasoning,
+    "minimax-append-think": OpenedReasoning,
 }
-_REGISTERED: dict[str, ReasoningParser | str] = {}
-_BUILT: dict[str, ReasoningParser] = {}
-
-
-def register_reasoning_parser(name: str, parser: ReasoningParser | str, *, replace: bool = False) -> None:
-    """Make `engine_reasoning_parser: name` split turns with `parser` (an object with `split(text, forced)`,
-    or "module:attr" naming one, imported on first use)."""
-    if (name in _REGISTERED or name in _NATIVE or name == NONE) and not replace:
-        raise ValueError(f"a reasoning parser named {name!r} is already registered")
-    _REGISTERED[name] = parser
-    _BUILT.pop(name, None)
-
-
-def native_reasoning_names() -> tuple[str, ...]:
-    """The names read by the engine itself (SGLang not needed), `none` included, sorted."""
-    return tuple(sorted(set(_NATIVE) | set(_REGISTERED) | {NONE}))
 
 
 def sglang_reasoning_names() -> tuple[str, ...]:
@@ -162,35 +148,30 @@ def sglang_reasoning_names() -> tuple[str, ...]:
     return tuple(sorted(SGLangParser.DetectorMap))
 
 
+_REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry(
+    "reasoning parser", _NATIVE, sglang_reasoning_names, SGLangReasoning, reserved=(NONE,))
+
+
+def register_reasoning_parser(name: str, parser: ReasoningParser | str, *, replace: bool = False) -> None:
+    """Make `engine_reasoning_parser: name` split turns with `parser` (an object with `split(text, forced)`,
+    or "module:attr" naming one, imported on first use)."""
+    _REASONING_PARSERS.register(name, parser, replace=replace)
+
+
+def native_reasoning_names() -> tuple[str, ...]:
+    """The names read by the engine itself (SGLang not needed), `none` included, sorted."""
+    return _REASONING_PARSERS.native_names()
+
+
 def reasoning_parser_names() -> tuple[str, ...]:
     """Every name `engine_reasoning_parser` accepts here."""
-    return tuple(sorted(set(native_reasoning_names()) | set(sglang_reasoning_names())))
+    return _REASONING_PARSERS.names()
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser | None:
     """The reasoning parser registered as `name` (None for `none`); ValueError (one line listing the
     known names) otherwise."""
-    if name == NONE:
-        return None
-    parser = _BUILT.get(name)
-    if parser is not None:
-        return parser
-    if name in _REGISTERED:
-        entry = _REGISTERED[name]
-        if isinstance(entry, str):
-            module, _, attr = entry.partition(":")
-            entry = getattr(importlib.import_module(module), attr)
-            entry = entry() if isinstance(entry, type) else entry
-        parser = entry
-    elif name in _NATIVE:
-        parser = _NATIVE[name](name)
-    elif name in sglang_reasoning_names():
-        parser = SGLangReasoning(name)
-    else:
-        more = "" if sglang_reasoning_names() else " (SGLang's other names need sglang importable)"
-        raise ValueError(f"unknown reasoning parser {name!r}: known are {', '.join(reasoning_parser_names())}{more}")
-    _BUILT[name] = parser
-    return parser
+    return None if name == NONE else _REASONING_PARSERS.get(name)
 
 
 def detect_reasoning_parser(template: str | None) -> str:
