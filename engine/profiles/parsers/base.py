@@ -114,7 +114,10 @@ def call_from_json_text(body: str, what: str, name: str | None = None, call_id: 
     return _named_call(data, what)
 
 
-def typed_call(name: str, pairs: list[tuple[str, str]], schemas: Schemas, reading: Reading = Reading()) -> ToolCall:
+_AS_WRITTEN = Reading()
+
+
+def typed_call(name: str, pairs: list[tuple[str, str]], schemas: Schemas, reading: Reading = _AS_WRITTEN) -> ToolCall:
     """A call whose arguments the format wrote as (name, text) pairs, each read by its parameter's
     schema (`engine.profiles.parsers.values`) as `reading` says this family does."""
     name = name.strip()
