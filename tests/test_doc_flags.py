@@ -16,6 +16,7 @@ import io
 import re
 import subprocess
 import sys
+import tomllib
 from functools import cache
 from pathlib import Path
 
@@ -160,3 +161,22 @@ def test_the_checker_finds_a_flag_that_does_not_exist() -> None:
         "x.md:1: `rnu` is not a command of python -m engine"]
     assert invocation_problems("x.md:1", "tools/regenerate.sh --chek")[0] == ["x.md:1: tools/regenerate.sh has no flag --chek"]
     assert not set(FOREIGN) & every_flag_of_ours(), "a FOREIGN flag is the engine's own: take it out of FOREIGN"
+
+
+# No package index has the engine: it is installed from its checkout (`pip install -e '.[EXTRA]'`).
+FROM_AN_INDEX = re.compile(r"pip install\s+['\"]?fsm-rollout-engine")
+EXTRA = re.compile(r"-e\s+'?\.\[([\w,]+)\]")
+
+
+def _texts() -> list[tuple[str, str]]:
+    files = [*PAGES, *sorted((ROOT / "engine").rglob("*.py")), ROOT / "fsm_rollout_engine.py"]
+    return [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in files]
+
+
+def test_no_page_or_message_offers_an_install_from_an_index_and_every_extra_named_exists() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    offered = [f"{name}: {m.group(0)}" for name, text in _texts() for m in FROM_AN_INDEX.finditer(text)]
+    assert not offered, "no index has the engine; say how to install from the checkout:\n" + "\n".join(offered)
+    named = {(name, e) for name, text in _texts() for m in EXTRA.finditer(text) for e in m.group(1).split(",")}
+    assert {e for _, e in named} >= {"local", "dev", "diagrams", "ray", "mcp"}
+    assert not [f"{name}: [{e}]" for name, e in sorted(named) if e not in extras]
