@@ -21,11 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine",)
 
 
-def test_a_slime_job_imports_no_torch_aiohttp_pygraphviz_nor_the_local_or_trace_packages() -> None:
+def test_a_slime_job_imports_no_torch_aiohttp_pygraphviz_nor_the_local_or_trace_packages_nor_the_agent_door() -> None:
     code = (
         "import json, sys; import engine.slime; "
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'aiohttp', 'pygraphviz') "
-        "or m.startswith(('engine.local', 'engine.trace')))))"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'aiohttp', 'pygraphviz', 'openai', 'anthropic') "
+        "or m.startswith(('engine.local', 'engine.trace', 'engine.agent.app', 'engine.agent.chat', "
+        "'engine.agent.responses', 'engine.agent.messages', 'engine.agent.shapes')))))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
