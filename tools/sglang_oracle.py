@@ -88,9 +88,10 @@ def bridged() -> dict[str, Any]:
             read = get_tool_parser(name).parse(text, schemas)
             out[name] = {"parser": type(get_tool_parser(name)).__name__, "content": read.content,
                          "calls": [[c.name, c.arguments, c.error] for c in read.calls]}
-        for name, (text, _, _) in BRIDGED_REASONING.items():
+        for name, (text, *_) in BRIDGED_REASONING.items():
             parser = get_reasoning_parser(name)
-            out[f"reasoning:{name}"] = {"parser": type(parser).__name__, "split": list(parser.split(text, False))}  # type: ignore[union-attr]
+            out[f"reasoning:{name}"] = {"parser": type(parser).__name__, "start": parser.start,  # type: ignore[union-attr]
+                                        "split": list(parser.split(text, False))}  # type: ignore[union-attr]
         return out
     except Exception as exc:  # the test reports it
         return {"raised": f"{type(exc).__name__}: {exc}"}

@@ -415,9 +415,9 @@ def reasoning_cases() -> list[dict[str, Any]]:
 
 
 # Reasoning parsers the engine reads through SGLang's own (not natively): a turn each.
-BRIDGED_REASONING = {
-    "ling3": ("<think>" + THOUGHT + "</think>The answer is 42.", THOUGHT, "The answer is 42."),
-    "minimax-m3": ("<mm:think>" + THOUGHT + "</mm:think>The answer is 42.", THOUGHT, "The answer is 42."),
+BRIDGED_REASONING = {  # name: (turn, its reasoning, the rest, the opening tag)
+    "ling3": ("<think>" + THOUGHT + "</think>The answer is 42.", THOUGHT, "The answer is 42.", "<think>"),
+    "minimax-m3": ("<mm:think>" + THOUGHT + "</mm:think>The answer is 42.", THOUGHT, "The answer is 42.", "<mm:think>"),
 }
 
 

@@ -76,8 +76,8 @@ def test_a_reasoning_name_the_engine_does_not_read_natively_works_through_sglang
     bridged = oracle["bridged"]
     assert "raised" not in bridged, bridged
     assert name not in native_reasoning_names()
-    _, reasoning, content = BRIDGED_REASONING[name]
-    assert bridged[f"reasoning:{name}"] == {"parser": "SGLangReasoning", "split": [reasoning, content]}
+    _, reasoning, content, start = BRIDGED_REASONING[name]
+    assert bridged[f"reasoning:{name}"] == {"parser": "SGLangReasoning", "start": start, "split": [reasoning, content]}
 
 
 def _sglang_calls(reading: dict[str, Any]) -> list[tuple[str, Any]]:

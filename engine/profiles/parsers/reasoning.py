@@ -110,16 +110,18 @@ class OpenedReasoning:
 class SGLangReasoning:
     """SGLang's own reasoning parser of a name the engine does not read natively."""
 
-    start = ""
-
     def __init__(self, name: str) -> None:
         self.name = name
+        # its opening tag, so a generation prompt that ends with it forces the turn (MiniMax-M3's <mm:think>)
+        self.start = getattr(self._parser(False).detector, "think_start_token", "") or ""
 
-    def split(self, text: str, forced: bool) -> tuple[str, str]:
+    def _parser(self, forced: bool) -> Any:
         from sglang.srt.parser.reasoning_parser import ReasoningParser as SGLangParser
 
-        parser = SGLangParser(self.name, stream_reasoning=False, force_reasoning=forced)
-        reasoning, rest = parser.parse_non_stream(text)
+        return SGLangParser(self.name, stream_reasoning=False, force_reasoning=forced)
+
+    def split(self, text: str, forced: bool) -> tuple[str, str]:
+        reasoning, rest = self._parser(forced).parse_non_stream(text)
         return reasoning or "", rest or ""
 
 
