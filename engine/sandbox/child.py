@@ -375,6 +375,25 @@ def _mapped_bytes() -> int:
         return int(f.read().split()[0]) * resource.getpagesize()
 
 
+def reaped(wake: int | None = None) -> list[tuple[int, int]]:
+    """Empty the SIGCHLD wakeup pipe `wake`, then reap every exited child without waiting:
+    (pid, exit code as `os.waitstatus_to_exitcode` gives it) each."""
+    try:
+        while wake is not None and os.read(wake, 512):
+            pass
+    except BlockingIOError:
+        pass
+    done = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return done
+        if pid == 0:
+            return done
+        done.append((pid, os.waitstatus_to_exitcode(status)))
+
+
 def _has_processes(uid: int) -> bool:
     """As `uid`: whether another live process of it exists. kill(-1, 0) reaches exactly the
     uid's processes (cheap, and usually ESRCH); only when it hits something is /proc read,
@@ -433,20 +452,29 @@ def cgroups_busy(cgroups: list[list[Any]]) -> bool:
     return False
 
 
-def _remove_ipc(uid: int) -> None:
-    """Remove the uid's SysV objects (only needed when runs share the host's IPC namespace)."""
-    lib = ctypes.CDLL(None, use_errno=True)
-    for kind, call in (("shm", lib.shmctl), ("msg", lib.msgctl), ("sem", lib.semctl)):
+SYSV_ID = {"shm": "shmid", "msg": "msqid", "sem": "semid"}
+
+
+def sysv_objects() -> list[tuple[str, dict[str, str]]]:
+    """Every SysV object of this IPC namespace: (kind, its /proc/sysvipc fields by column name)."""
+    found = []
+    for kind in SYSV_ID:
         try:
             with open(f"/proc/sysvipc/{kind}") as f:
                 header, *rows = f.read().splitlines()
         except OSError:
             continue
-        cols = header.split()
-        for row in rows:
-            fields = dict(zip(cols, row.split()))
-            if fields.get("uid") == str(uid) or fields.get("cuid") == str(uid):
-                call(int(fields["shmid" if kind == "shm" else "msqid" if kind == "msg" else "semid"]), IPC_RMID, None)
+        found += [(kind, dict(zip(header.split(), row.split()))) for row in rows]
+    return found
+
+
+def _remove_ipc(uid: int) -> None:
+    """Remove the uid's SysV objects (only needed when runs share the host's IPC namespace)."""
+    lib = ctypes.CDLL(None, use_errno=True)
+    calls = {"shm": lib.shmctl, "msg": lib.msgctl, "sem": lib.semctl}
+    for kind, fields in sysv_objects():
+        if fields.get("uid") == str(uid) or fields.get("cuid") == str(uid):
+            calls[kind](int(fields[SYSV_ID[kind]]), IPC_RMID, None)
 
 
 def _ident(fd: int) -> tuple[int, int]:
@@ -567,17 +595,7 @@ def _remove_files(uid: int, workdir: str | None) -> list[str]:
 
 
 def _sysv_left(uid: int) -> list[str]:
-    found = []
-    for kind in ("shm", "msg", "sem"):
-        try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                header, *rows = f.read().splitlines()
-        except OSError:
-            continue
-        cols = header.split()
-        found += [f"SysV {kind} {row.split()[1]}" for row in rows
-                  if dict(zip(cols, row.split())).get("uid") == str(uid)]
-    return found
+    return [f"SysV {kind} {fields[SYSV_ID[kind]]}" for kind, fields in sysv_objects() if fields.get("uid") == str(uid)]
 
 
 def clean_group(pgid: int | None, workdir: str | None, reap: Any = None) -> tuple[int, str]:

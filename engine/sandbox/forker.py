@@ -89,12 +89,7 @@ class Forker:
             except InterruptedError:
                 continue
             if wake_r in ready:
-                try:
-                    while os.read(wake_r, 512):
-                        pass
-                except BlockingIOError:
-                    pass
-                self.reap()
+                self.reap(wake_r)
             if self.sock.fileno() in ready and not self.on_request():
                 self.kill_everything()
                 os._exit(0)
@@ -137,18 +132,12 @@ class Forker:
         except OSError:
             pass  # the zygote is gone: the next read says so
 
-    def reap(self) -> None:
+    def reap(self, wake: int) -> None:
         """Reap every exited child: a run's exit is reported, an orphan of one is just gone."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, rc in child.reaped(wake):
             if pid in self.runs:
                 self.runs.discard(pid)
-                self.tell({"event": "exited", "pid": pid, "rc": os.waitstatus_to_exitcode(status)})
+                self.tell({"event": "exited", "pid": pid, "rc": rc})
 
     def kill_everything(self) -> None:  # pragma: no cover - its own process
         """The zygote is gone: SIGKILL every process beneath us (as a subreaper every orphan of a run

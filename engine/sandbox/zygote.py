@@ -153,20 +153,9 @@ class Zygote:
 
     def reap(self) -> None:
         """Reap every exited child; helpers move their runs on, orphans are just gone."""
-        try:
-            while os.read(self.wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, rc in child.reaped(self.wake_r):
             if pid in self.waiting:
-                self.helped(pid, os.waitstatus_to_exitcode(status))
+                self.helped(pid, rc)
 
     def on_request(self) -> bool:
         try:

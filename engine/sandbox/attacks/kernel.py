@@ -27,6 +27,7 @@ from pathlib import Path
 
 import attrs
 
+from engine.sandbox import child
 from engine.sandbox import runner as sandbox
 from engine.sandbox.attacks.lab import PRELUDE, PROJECT, Lab, Verdict, alive, attack, processes
 
@@ -186,30 +187,14 @@ def _remove_litter(tag: str | None, pids: set[object]) -> None:
         if name.startswith(tag):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join("/dev/shm", name))
-    try:
-        with open("/proc/sysvipc/shm") as f:
-            header, *rows = f.read().splitlines()
-    except OSError:
-        return
-    cols = header.split()
-    for row in rows:
-        fields = dict(zip(cols, row.split()))
-        if int(fields["cpid"]) in pids:
+    for kind, fields in child.sysv_objects():
+        if kind == "shm" and int(fields["cpid"]) in pids:
             ctypes.CDLL(None).shmctl(int(fields["shmid"]), 0, None)  # IPC_RMID
 
 
 def _host_sysv(uids: range) -> list[str]:
     """The host's SysV objects owned by a sandbox uid (the host's IPC namespace)."""
-    found = []
-    for kind in ("shm", "msg", "sem"):
-        try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                header, *rows = f.read().splitlines()
-        except OSError:
-            continue
-        cols = header.split()
-        found += [f"{kind} {row.split()[1]}" for row in rows if int(dict(zip(cols, row.split()))["uid"]) in uids]
-    return found
+    return [f"{kind} {fields[child.SYSV_ID[kind]]}" for kind, fields in child.sysv_objects() if int(fields["uid"]) in uids]
 
 
 @attack("SysV segment read by a concurrent run")
