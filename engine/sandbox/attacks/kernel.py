@@ -174,8 +174,10 @@ except OSError as e:
     _remove_litter(tag, pids)  # observed; now free what a weaker sandbox left on the host
     contained = all(mib * _MIB <= limit for mib in taken.values()) and peak <= limit + 32 * _MIB \
         and left <= 32 * _MIB
-    how = ("cgroup memory counts SysV, memfd and tmpfs pages; namespaces free them with the run"
-           if contained else "shared memory outside the run's budget")
+    refused = all(mib == 0 for mib in taken.values())
+    how = ("refused: SysV and memfd by seccomp, /dev/shm by Landlock or the read-only host" if contained and refused
+           else "cgroup memory counts SysV, memfd and tmpfs pages; namespaces free them with the run" if contained
+           else "shared memory outside the run's budget")
     got = ", ".join(f"{k} {taken[k]} MiB ({stops[k]})" for k in taken)
     return Verdict(contained, how, f"{got} of {target // _MIB} MiB tried, limit {limit // _MIB} MiB; host Shmem "
                    f"+{peak // _MIB} MiB at peak, +{left // _MIB} MiB after")
