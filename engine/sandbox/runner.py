@@ -358,6 +358,8 @@ def cannot_hold(caps: _Capabilities, layers: dict[str, Any]) -> list[str]:
     gaps = []
     if not caps.mntns:
         gaps.append("total disk use of a run: no private tmpfs, RLIMIT_FSIZE bounds each file only")
+        gaps.append("sizes and owners of files outside the work dir that the run's uid may look up: Landlock does "
+                    "not mediate stat, only a mount namespace hides a path")
     if caps.cgroup == "rlimits":
         gaps.append("memory and tasks across a run's processes: per-process rlimits sized to the budget only")
     if not caps.root:
