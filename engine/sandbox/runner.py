@@ -2,35 +2,43 @@
 
 Layers (each one is there because a model will eventually try what it stops):
 
-* A zygote per engine process (`zygote.py`, started by exec with an empty environment)
-  forks a child per call; the child isolates itself (`child.py`) and runs the code without
-  exec, so a call costs about a fork instead of three interpreter starts. `zygote.py`
-  says why what the child inherits from the warm zygote is safe.
+* A zygote per engine process (`zygote.py`, started by exec with an empty environment) keeps
+  the runs' records; its forker (`forker.py`), forked before any request, forks a child per
+  call that isolates itself (`child.py`) and runs the code without exec, so a call costs about
+  a fork instead of three interpreter starts, and no run forks from a process that held another
+  run's records. `zygote.py` says why what the child inherits is safe.
+* Only the host speaks for the sandbox: the child's setup reports on a pipe the zygote reads and
+  the model's code never holds; `SandboxError` comes from that report (or a dead zygote) alone,
+  never from what the code prints, writes or exits with.
 * An environment built from scratch: nothing of `os.environ` (API keys!) reaches the child.
 * As root, a uid/gid of its own per concurrent run (`UID_BASE`.., leased with `flock`, so
   two engines on one host never share one). RLIMIT_NPROC then counts exactly the run's
-  tasks, and cleanup is exact: after every run a helper running as that uid calls
-  `kill(-1, SIGKILL)` (atomic with respect to fork: double-forked daemons die too), clears
-  the uid's keyrings, and, where runs share the host's IPC namespace or filesystem,
-  removes its SysV objects and its files. A lease whose cleanup never finished (the engine
-  crashed) is cleaned before its next use, by any engine process on the host.
-  `PR_SET_NO_NEW_PRIVS` keeps setuid binaries from undoing the drop.
+  tasks, and cleanup is exact: after a run that may have left something a helper running as
+  that uid calls `kill(-1, SIGKILL)` (atomic with respect to fork: double-forked daemons die
+  too), clears the uid's keyrings, and, where runs share the host's IPC namespace or
+  filesystem, removes its SysV objects and its files, then checks that nothing is left. A uid
+  it cannot clean is quarantined: its lock file says why, and no engine leases it again. A
+  lease whose cleanup never finished (the engine crashed) is cleaned before its next use, by
+  any engine process on the host. `PR_SET_NO_NEW_PRIVS` keeps setuid binaries from undoing the drop.
 * The whole run bounded: a cgroup per uid slot (v2, or the v1 memory and pids
-  controllers) caps the memory of all its processes, threads, shared memory, memfd and
-  tmpfs together, and its task count. Without cgroups, per-process limits are sized so
-  that processes x address space stays within the run's memory budget. RLIMIT_AS also
-  applies per process (a single greedy allocation gets MemoryError, not the OOM killer).
-* As root, where the kernel allows: new network (no network at all), IPC (no SysV object
-  shared with any other run) and mount namespaces; in the last the host is read-only,
-  `/tmp` is a small private tmpfs holding the working directory `/tmp/sandbox`,
-  `HIDDEN_PATHS` and the engine's checkout are covered by empty tmpfs, the interpreter's
-  directories are bound back wherever they live, and `/proc` shows only the run's own
-  processes. Each layer is probed once; `capabilities()` reports what the host gave.
+  controllers) caps the memory of all its processes, threads, shared memory and tmpfs
+  together, and its task count. Without cgroups, per-process limits are sized so that
+  processes x address space stays within the run's memory budget. Either way the budget
+  also counts what the kernel may hold for the run's descriptors (socket and pipe buffers:
+  `_budget`). RLIMIT_AS also applies per process (a single greedy allocation gets
+  MemoryError, not the OOM killer).
+* As root, where the kernel allows: a mount namespace; the host is read-only, `/tmp` is a
+  small private `nosuid` tmpfs holding the working directory `/tmp/sandbox`, `HIDDEN_PATHS`
+  and the engine's checkout are covered by empty tmpfs, the interpreter's directories are
+  bound back wherever they live, and `/proc` shows only the run's own processes. Network and
+  IPC namespaces only where seccomp is missing (it refuses every socket but an unnamed pair,
+  and all SysV and POSIX IPC). Each layer is probed once; `capabilities()` reports what the
+  host gave.
 
-* In every mode, last before the model's code: a Landlock ruleset and a seccomp filter
-  (`confine.py`), which need no privilege. Without root they are what holds files, the
-  network, signals and the kernel's shared objects; as root they come on top of the above.
-  `capabilities()["cannot_hold"]` lists what this host's mode cannot hold.
+* In every mode, last before the model's code: a Landlock ruleset and a default-deny seccomp
+  allowlist (`confine.py`, `allowlist.py`), which need no privilege. Without root they are what
+  holds files, the network, signals and the kernel's shared objects; as root they come on top
+  of the above. `capabilities()["cannot_hold"]` lists what this host's mode cannot hold.
 
 Without root: the rlimits, the fresh environment, the process-group kill, Landlock and seccomp.
 """
