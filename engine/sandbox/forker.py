@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -42,7 +43,6 @@ else:  # loaded by path in the zygote
     import confine  # type: ignore[no-redef]
 
 PR_SET_CHILD_SUBREAPER = 36
-FDS = ("stdin", "stdout", "stderr", "code", "status", "template")  # what a run's descriptors may be, in order
 MAX_FDS = 8
 STATUS_LIMIT = 4096  # bytes of a setup error kept
 WORKDIR_PREFIX = "sandbox-"  # a run's work dir on the host: /tmp/sandbox-<zygote pid>-<random>
@@ -80,9 +80,9 @@ class Forker:
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
-        poll = __import__("select").poll()
-        poll.register(self.sock, 1)  # POLLIN
-        poll.register(wake_r, 1)
+        poll = select.poll()
+        poll.register(self.sock, select.POLLIN)
+        poll.register(wake_r, select.POLLIN)
         while True:
             try:
                 ready = [fd for fd, _ in poll.poll()]
