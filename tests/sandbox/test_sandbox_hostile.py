@@ -160,6 +160,37 @@ def test_a_uid_that_cannot_be_cleaned_is_quarantined_and_reported_once(two_uids:
         os.truncate(lock, 0)
 
 
+def test_a_crashed_engines_leftovers_that_cannot_be_removed_quarantine_the_uid_and_the_run_takes_another(
+        two_uids: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = two_uids
+    lock = os.path.join(sandbox.LOCK_DIR, str(first))
+    left = Path("/tmp") / f"left-by-a-crash-{os.getpid()}"
+    left.mkdir()
+    stuck = left / "stuck"
+    stuck.write_text("x")
+    for path in (left, stuck):
+        os.chown(path, first, first)
+    try:
+        _immutable(str(stuck), True)
+    except OSError as e:
+        left.joinpath("stuck").unlink()
+        left.rmdir()
+        pytest.skip(f"no immutable files here: {e}")
+    try:
+        with open(lock, "wb") as f:
+            f.write(b"1")  # a crashed engine's run on that uid, never cleaned
+        monkeypatch.setattr(sandbox, "_next_slot", 0)  # that uid is leased first
+        result = asyncio.run(run_python("import os\nprint(os.getuid())", FAST))
+        assert result.returncode == 0 and int(result.stdout) == second
+        with open(lock, "rb") as f:
+            said = f.read()
+        assert said.startswith(b"Q ") and str(left).encode() in said
+    finally:
+        _immutable(str(stuck), False)
+        assert child.remove_tree(str(left)) == ""
+        os.truncate(lock, 0)
+
+
 def test_every_uid_quarantined_is_a_clear_error(two_uids: tuple[int, int]) -> None:
     paths = [os.path.join(sandbox.LOCK_DIR, str(uid)) for uid in two_uids]
     try:
