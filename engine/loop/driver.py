@@ -19,7 +19,7 @@ from typing import Any
 
 from engine import envs, tools
 from engine.aio import within
-from engine.config import log_once
+from engine.logs import log_once
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint
 from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch

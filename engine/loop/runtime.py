@@ -15,7 +15,7 @@ import attrs
 
 from engine import tools
 from engine.aio import Gate
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.loop.abort import AbortSignal
 from engine.loop.environment import set_up_environment
 from engine.loop.tool_calls import ToolRunner
