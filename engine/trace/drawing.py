@@ -19,12 +19,10 @@ from typing import Any
 import attrs
 
 from engine.machine.states import TERMINALS, State
-from engine.machine.table import MachineSpec, fault_edges
+from engine.machine.table import FAULT_TRIGGERS, MachineSpec
 from engine.trace.paths import EdgeKey, Overlay, edge_key
 
 ANY = "ANY"  # the pseudo-state the compact drawing folds the fault edges into
-# Every trigger `fault_edges` can add, read from the definition rather than listed here.
-FAULT_TRIGGERS = frozenset(e.trigger for e in fault_edges(["S"], {"S"}))
 
 
 @attrs.frozen
