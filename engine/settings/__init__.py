@@ -19,6 +19,6 @@ A plugin declares its settings in a class of its own under its own prefix, names
 """
 
 from engine.settings.core import EngineConfig, RetryPolicy, Sampling
-from engine.settings.declare import Flag, SettingsError, derived, nested, setting, settings
+from engine.settings.declare import Flag, Kind, SettingsError, derived, nested, setting, settings
 
-__all__ = ["EngineConfig", "Flag", "RetryPolicy", "Sampling", "SettingsError", "derived", "nested", "setting", "settings"]
+__all__ = ["EngineConfig", "Flag", "Kind", "RetryPolicy", "Sampling", "SettingsError", "derived", "nested", "setting", "settings"]

@@ -73,11 +73,23 @@ class Flag:
 
 
 @attrs.frozen
+class Kind:
+    """A kind of value of a plugin's own (a server entry, a schedule): `convert` reads a value (raising
+    TypeError or ValueError saying why not), `allowed` says what it accepts. `quote`: whether a refusal
+    may show the value; a kind whose values may hold a secret says False, and its refusal gives
+    `convert`'s reason instead."""
+
+    allowed: str
+    convert: Callable[[Any], Any] = attrs.field(eq=False)
+    quote: bool = True
+
+
+@attrs.frozen
 class Setting:
     """One declared setting, as its field's metadata holds it (made by `settings` from `setting(...)`).
 
     `key`: what slime's args and the YAML call it (None: a value derived from other settings, with
-    no key of its own). `kind` is int, float, bool, str, NAMES or URL. Numbers must lie in
+    no key of its own). `kind` is int, float, bool, str, NAMES, URL or a `Kind`. Numbers must lie in
     [low, high] (`above_low`: low itself is refused, a timeout of 0); with `cap` a number above
     `high` is lowered to it with a warning instead of refused. `choices` limits a str. None means
     the default (`derive` first, when there is one: the value computed from the settings declared
@@ -108,6 +120,8 @@ class Setting:
 
     def allowed(self) -> str:
         """What the setting accepts, in words."""
+        if isinstance(self.kind, Kind):
+            return self.kind.allowed
         if self.choices:
             return "one of " + ", ".join(self.choices)
         if self.kind is bool:
@@ -137,8 +151,10 @@ class Setting:
         if value is None:
             return self.default
         try:
-            converted = _CONVERT[self.kind](value)
-        except (TypeError, ValueError):
+            converted = self.kind.convert(value) if isinstance(self.kind, Kind) else _CONVERT[self.kind](value)
+        except (TypeError, ValueError) as exc:
+            if isinstance(self.kind, Kind) and not self.kind.quote:  # the value may hold a secret: say why, not what
+                raise SettingsError(f"{self.label}: {exc}") from None
             self.refuse(value)
         if self.default is None and converted == "":
             return None

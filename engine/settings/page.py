@@ -7,7 +7,7 @@ and one per plugin shipped with the engine (`--tool-module` adds a researcher's 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from engine.settings.core import BUILT_IN_PLUGINS, EngineConfig, Sampling, load_plugins
@@ -41,7 +41,6 @@ def sections(modules: Iterable[str] = ()) -> list[tuple[str, str, list[Setting]]
     modules = tuple(modules)
     load_plugins(modules)
     core = [r for r in rows(EngineConfig) if r.key]
-    chosen: Callable[[type], bool] = lambda p: p.__module__.startswith(BUILT_IN_PLUGINS) or p.__module__.startswith(modules)
     parts = [
         ("Engine settings", "Set in the YAML of slime's `--custom-config-path` (or `python -m engine run --config`).",
          [r for r in core if r.key.startswith(ENGINE_PREFIX)]),  # type: ignore[union-attr]
@@ -52,10 +51,11 @@ def sections(modules: Iterable[str] = ()) -> list[tuple[str, str, list[Setting]]
          "slime checks these itself in a training job; `python -m engine run` reads them from its flags or `--config`.",
          list(rows(Sampling))),
     ]
-    for plugin in plugins():
-        if chosen(plugin):
-            parts.append((title_of(plugin), f"A plugin's settings (`{plugin.__module__}.{plugin.__qualname__}`), "
-                          f"under its prefix `{plugin.__settings_prefix__}`.", [r for r in rows(plugin) if r.key]))
+    for plugin in plugins():  # the shipped ones and those of `modules`, not whatever else this process imported
+        if plugin.__module__.startswith((*BUILT_IN_PLUGINS, *modules)):
+            words = (f"A plugin's settings (`{plugin.__module__}.{plugin.__qualname__}`), "
+                     f"under its prefix `{plugin.__settings_prefix__}`.")
+            parts.append((title_of(plugin), words, [r for r in rows(plugin) if r.key]))
     return parts
 
 
@@ -64,23 +64,23 @@ def settings_page(modules: Iterable[str] = ()) -> str:
     parts = [
         "# Settings",
         "",
-        "<!-- Generated from the settings' declarations (engine/settings/core.py, and each plugin's) by "
-        "`python -m engine settings --out docs/settings.md`; a test keeps it current. Do not edit by hand. -->",
+        ("<!-- Generated from the settings' declarations (engine/settings/core.py, and each plugin's) by "
+         "`python -m engine settings --out docs/settings.md`; a test keeps it current. Do not edit by hand. -->"),
         "",
-        "Every key the engine reads, as slime hands it over (the keys of `--custom-config-path` become "
-        "attributes of slime's `args`). A value of the wrong kind or outside its range ends every sample with "
-        "`engine_setup_failed` and one sentence naming the key and what it accepts; `python -m engine run` "
-        "says the same sentence and exits 2; a directly built `EngineConfig(...)` raises it. An `engine_*` key "
-        "nothing declares is warned about once, with the closest declared key; in `run --config` every unknown key is.",
+        ("Every key the engine reads, as slime hands it over (the keys of `--custom-config-path` become "
+         "attributes of slime's `args`). A value of the wrong kind or outside its range ends every sample with "
+         "`engine_setup_failed` and one sentence naming the key and what it accepts; `python -m engine run` "
+         "says the same sentence and exits 2; a directly built `EngineConfig(...)` raises it. An `engine_*` key "
+         "nothing declares is warned about once, with the closest declared key; in `run --config` every unknown key is."),
         "",
-        "`python -m engine run` reads the same keys from `--config` (a YAML as slime's) and from its flags; "
-        "a flag wins over the file. Where `run`'s default differs from a training job's, both are shown.",
+        ("`python -m engine run` reads the same keys from `--config` (a YAML as slime's) and from its flags; "
+         "a flag wins over the file. Where `run`'s default differs from a training job's, both are shown."),
         "",
-        "To add a setting: one field `name: type = setting(default, help=..., ...)` in `EngineConfig` "
-        "(engine/settings/core.py); `flag=Flag(...)` offers it in `run`. A plugin (a tool, an environment) declares "
-        "its own the same way in a class of its own, under its own prefix (`@settings(prefix=\"engine_myenv_\")`), "
-        "names it as its `Settings` and gets the instance in `setup` (docs/tools.md, docs/environments.md). "
-        "Then `python -m engine settings --out docs/settings.md`.",
+        ("To add a setting: one field `name: type = setting(default, help=..., ...)` in `EngineConfig` "
+         "(engine/settings/core.py); `flag=Flag(...)` offers it in `run`. A plugin (a tool, an environment) declares "
+         "its own the same way in a class of its own, under its own prefix (`@settings(prefix=\"engine_myenv_\")`), "
+         "names it as its `Settings` and gets the instance in `setup` (docs/tools.md, docs/environments.md). "
+         "Then `python -m engine settings --out docs/settings.md`."),
     ]
     for title, words, table in sections(modules):
         parts += ["", f"## {title}", "", words, "", settings_table(table)]

@@ -18,7 +18,7 @@ import engine.logs
 import engine.settings.core
 from engine.cli import build_parser, flag_type
 from engine.run import flag_keys, run_defaults, settings_args
-from engine.settings import EngineConfig, Flag, RetryPolicy, Sampling, SettingsError, setting, settings
+from engine.settings import EngineConfig, Flag, Kind, RetryPolicy, Sampling, SettingsError, setting, settings
 from engine.settings.core import flagged_settings, load_plugins, run_rows
 from engine.settings.declare import NESTED, ROW, Setting, declared_keys, keyed, owner, plugins, rows
 from engine.settings.page import main_settings, settings_page
@@ -200,6 +200,28 @@ def test_a_declaration_is_checked_when_its_class_is_made() -> None:
         if row.run_default is not None:
             assert row.read(row.run_default) == row.run_default, row.key
         assert row.flag is None or isinstance(row.flag, Flag)
+
+
+def test_a_kind_of_a_plugins_own_reads_and_refuses_in_its_words_and_never_shows_a_secret() -> None:
+    def entries(value: object) -> tuple[str, ...]:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and "=" in v for v in value):
+            raise ValueError("each entry must be NAME=VALUE")
+        return tuple(value)
+
+    @settings(prefix="engine_kindtest_")
+    class WithKinds:
+        """Kinds of a plugin's own."""
+
+        tokens: tuple[str, ...] = setting((), kind=Kind("a list of NAME=VALUE", entries, quote=False), help="secrets")
+        labels: tuple[str, ...] = setting((), kind=Kind("a list of NAME=VALUE", entries), help="labels")
+
+    assert WithKinds(tokens=["a=1"]).tokens == ("a=1",)
+    with pytest.raises(SettingsError) as refused:
+        WithKinds(tokens=["hunter2"])
+    assert str(refused.value) == "engine_kindtest_tokens: each entry must be NAME=VALUE"  # the value is not repeated
+    with pytest.raises(SettingsError, match=r"^engine_kindtest_labels must be a list of NAME=VALUE, got \['x'\]$"):
+        WithKinds(labels=["x"])
+    assert keyed(WithKinds)["engine_kindtest_tokens"].allowed() == "a list of NAME=VALUE"
 
 
 def test_any_object_with_the_keys_as_attributes_is_read_and_followed() -> None:
