@@ -145,7 +145,7 @@ class Forker:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         deadline = time.monotonic() + KILL_ALL_S
         while time.monotonic() < deadline:
-            children = _children()
+            children = set(_children()) | self.runs  # the runs themselves even without /proc's children lists
             if not children:
                 break
             for pid in children:
@@ -155,8 +155,8 @@ class Forker:
                     except OSError:
                         pass
             try:
-                while os.waitpid(-1, os.WNOHANG)[0]:
-                    pass
+                while (pid := os.waitpid(-1, os.WNOHANG)[0]) != 0:
+                    self.runs.discard(pid)
             except ChildProcessError:
                 break
             time.sleep(0.005)
