@@ -130,7 +130,7 @@ async def records(lab: Lab) -> Verdict:
     # Records of runs that ended before this one (earlier attacks) are just as much another run's.
     earlier = [u for u in b.get("uids", []) if u != own_uid and sandbox.UID_BASE <= u < sandbox.UID_BASE + sandbox.UID_COUNT]
     contained = "uids" in b and not leaked and not earlier
-    return Verdict(contained, "runs fork from a forker that never held a run's record",
+    return Verdict(contained, "runs fork from a forker that never held a run's settings (it knows their pids only)",
                    f"concurrent run's uid {a.get('uid')} and work dir {name or '-'}: "
                    f"{'FOUND ' + ', '.join(leaked) if leaked else 'not found'}; other sandbox uids in memory: "
                    f"{earlier or 'none'}; {b.get('scanned')} bytes of its heap scanned")
@@ -280,6 +280,6 @@ time.sleep(30)
         except OSError:
             pass
     contained = len(tagged) >= 2 and not left and not dirs and not any(alive(p) for p in tagged)
-    return Verdict(contained, "each run's supervisor sees the zygote's end close: kills the run, cleans up",
+    return Verdict(contained, "the forker sees the zygote's end close: kills every run beneath it, removes their work dirs",
                    f"{len(tagged)} processes of the run (uid {sorted(uids)}) before the zygote was killed, "
                    f"{len(left)} after; work dir {'LEFT: ' + dirs[0] if dirs else 'gone'}")
