@@ -285,8 +285,8 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             flag=Flag("--tool-timeout", "S", TOOLS)),
     Setting("engine_tool_concurrency", int, 32, "tool calls running at once (per event loop)", low=1, high=4096, cap=True),
     Setting("engine_tool_output_chars", int, 8192, "characters of a tool's output kept", low=1, high=10**8),
-    Setting("engine_tools", "names", None, "the tools offered", unset="every registered tool",
-            flag=Flag("--tools", "A,B", TOOLS, help="offer only these tools")),
+    Setting("engine_tools", "names", None, "the tools offered ([] or \"\": none, e.g. for an environment's episodes)",
+            unset="every registered tool", flag=Flag("--tools", "A,B", TOOLS, help='offer only these tools ("": none)')),
     Setting("engine_tool_modules", "names", (), "modules imported so their tools register",
             flag=Flag("--tool-module", "MODULE", TOOLS, help="import this module so the tools it registers are offered",
                       repeatable=True, dest="tool_modules")),
@@ -298,6 +298,12 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_user_sim_model", str, "default", "user_simulator: the model name sent to the chat API"),
     Setting("engine_user_sim_temperature", float, 0.7, "user_simulator: sampling temperature", low=0, high=100),
     Setting("engine_user_sim_max_tokens", int, 256, "user_simulator: tokens per user message", low=1, high=10**6),
+    Setting("engine_reward_rule", str, "sum", "how reward_func combines the per-turn rewards (environment's, tools') and the "
+            "answer's: sum, discounted (turn t weighs discount^(t-1)), last (the last turn's alone) or weighted",
+            choices=("sum", "discounted", "last", "weighted")),
+    Setting("engine_reward_discount", float, 0.9, "the discounted rule's factor per model turn", low=0, high=1, above_low=True),
+    Setting("engine_reward_turn_weight", float, 1.0, "the weighted rule's weight of the per-turn rewards' sum", low=-1e6, high=1e6),
+    Setting("engine_reward_answer_weight", float, 1.0, "the weighted rule's weight of the answer's reward", low=-1e6, high=1e6),
     Setting("engine_mcp_servers", "names", (), "MCP servers whose tools are offered: each a command line (stdio) or an http(s) URL",
             flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL",
                       repeatable=True, dest="mcp_servers")),
@@ -559,6 +565,11 @@ class EngineConfig:
     user_sim_temperature: float = setting_field("engine_user_sim_temperature")
     user_sim_max_tokens: int = setting_field("engine_user_sim_max_tokens")
     mcp_servers: tuple[str, ...] = setting_field("engine_mcp_servers")  # command lines (stdio) or http(s) URLs
+    # How reward_func combines per-turn rewards and the answer's (engine.profiles.reward.RewardRule).
+    reward_rule: str = setting_field("engine_reward_rule")
+    reward_discount: float = setting_field("engine_reward_discount")
+    reward_turn_weight: float = setting_field("engine_reward_turn_weight")
+    reward_answer_weight: float = setting_field("engine_reward_answer_weight")
     request_timeout: float = setting_field("engine_request_timeout")
     connect_timeout: float = setting_field("engine_connect_timeout")
     max_reply_bytes: int = setting_field("engine_max_reply_bytes")  # routing replay replies run to 100s of MB

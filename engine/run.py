@@ -247,6 +247,30 @@ def check_environment(ns: argparse.Namespace, cfg: EngineConfig) -> None:
         raise UsageError(f"{_origin(ns, 'engine_environment')} {cfg.environment}: {exc}") from None
 
 
+def check_sample_environments(cfg: EngineConfig, samples: list[Sample]) -> None:
+    """Every environment the input's lines name (`metadata["environment"]`) is registered and sets up."""
+    from engine import envs
+    from engine.loop.environment import UnknownEnvironment, read_choice
+
+    named: dict[str, int] = {}
+    for sample in samples:
+        try:
+            name = read_choice(sample.metadata).name
+        except UnknownEnvironment:
+            continue  # that sample ends bad_sample_input, with the reason: not the run's to refuse
+        if name is not None and name != envs.NONE and name not in named:
+            named[name] = sample.index if sample.index is not None else 0
+    for name, index in named.items():
+        env = envs.get_environment(name)
+        if env is None:
+            raise UsageError(f"--input: the sample at position {index} names the environment {name!r}, which is not "
+                             f"registered (registered: {', '.join(envs.environment_names()) or 'none'}; add one with --tool-module)")
+        try:
+            env.setup(cfg)
+        except Exception as exc:
+            raise UsageError(f"--input: environment {name} (named by the sample at position {index}): {exc}") from None
+
+
 def check_budgets(ns: argparse.Namespace, cfg: EngineConfig, max_new_tokens: int) -> None:
     """The budgets must fit in one another."""
     if cfg.max_context_len is None:
@@ -285,6 +309,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
             raise UsageError(f"--replay {replay}: {getattr(exc, 'strerror', None) or exc}") from None
     samples = expand_groups(read_input(in_path, ns.limit), sampling["n_samples_per_prompt"])
     offered = check_tools(ns, cfg)  # first: a tool module may register the profile or parser named
+    check_sample_environments(cfg, samples)
     tokenizer = check_tokenizer(ns, cfg)
     from engine.loop.preflight import check_tools_sync, describe
 

@@ -83,7 +83,7 @@ def test_the_simulated_user_and_the_model_hold_a_conversation_with_tool_calls_be
     sample = roll(args_for(server, engine_user_sim_api=api))
     fsm = sample.metadata["fsm"]
     assert (sample.status.name, fsm["termination_reason"]) == ("COMPLETED", "environment_done"), fsm.get("engine_error")
-    assert fsm["environment"] == {"name": "user_simulator", "reason": "user_stopped"}
+    assert fsm["environment"] == {"name": "user_simulator", "reason": "user_stopped", "success": None}
     states = [step[2] for step in fsm["trace"]]
     assert states.count("ENVIRONMENT") == 2 and "TOOL_CHECK_TIME" in states and "TOOL_BOOK_TABLE" in states
     # the conversation as the model saw it: its turns, the user's reply, the tools' answers
