@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
@@ -258,7 +259,6 @@ def tool_messages(results: list[CallResult]) -> list[dict[str, Any]]:
 def conversation(messages: list[dict[str, Any]], prompt_ids: Any, traj: Any, decode: Callable[[list[int]], str],
                  turn: int) -> envs.Conversation:
     """What `respond` receives: fresh copies of the messages, and the token view of the trajectory now."""
-    copies = tuple({**m, "tool_calls": [dict(c, function=dict(c["function"])) for c in m["tool_calls"]]}
-                   if "tool_calls" in m else dict(m) for m in messages)
+    copies = tuple(copy.deepcopy(messages))  # an environment that edits them changes nothing of ours
     segments = tuple((s.kind, s.start, s.end) for s in traj.segments)
     return envs.Conversation(copies, tuple(prompt_ids), tuple(traj.response_ids.tolist()), segments, decode, turn)

@@ -170,6 +170,9 @@ def test_the_simulator_reads_the_policy_without_markup_and_renders_chatml():
         "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="needs engine_user_sim_url"):
         UserSimulator().setup(make_args())
-    episode = run(UserSimulator().start("Hi", {"user_instructions": "Be Ada."}))
+    episode = run(UserSimulator().start(envs.Task("Hi", {"user_instructions": "Be Ada."})))
     assert episode[1] == {"role": "assistant", "content": "Hi"} and "Be Ada." in episode[0]["content"]
+    # the sample's arguments for the environment win over its metadata
+    episode = run(UserSimulator().start(envs.Task("Hi", {"user_instructions": "Be Ada."}, {"user_instructions": "Be Bo."})))
+    assert "Be Bo." in episode[0]["content"] and "Be Ada." not in episode[0]["content"]
     assert isinstance(envs.get_environment("user_simulator"), UserSimulator)
