@@ -183,3 +183,17 @@ def test_a_name_that_cannot_form_a_state_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="tool name must be lowercase letters"):
         tools.register(tool)
     assert name not in tools.names()
+
+
+# A dependency's private name is read in one compat module, which says which versions it was checked with.
+PRIVATE_NAMES = {
+    "ray._private": "engine/local/ray_compat.py",
+    "_instances": "engine/slime/compat.py",  # slime's singleton registry
+}
+
+
+@pytest.mark.parametrize("name, home", sorted(PRIVATE_NAMES.items()))
+def test_a_private_name_of_a_dependency_lives_in_its_compat_module_alone(name: str, home: str) -> None:
+    found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("*.py")
+                   if name in p.read_text(encoding="utf-8"))
+    assert found == [home]
