@@ -261,18 +261,8 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
 
 def check_environment(ns: argparse.Namespace, cfg: EngineConfig) -> None:
     """The environment must be registered (after the tool modules are imported) and set up."""
-    if cfg.environment is None:
-        return
-    from engine import envs
-
-    env = envs.get_environment(cfg.environment)
-    if env is None:
-        raise UsageError(f"{_origin(ns, 'engine_environment')}: no environment named {cfg.environment!r} "
-                         f"(registered: {', '.join(envs.environment_names()) or 'none'}; add one with --tool-module)")
-    try:
-        env.setup(cfg)
-    except Exception as exc:
-        raise UsageError(f"{_origin(ns, 'engine_environment')} {cfg.environment}: {exc}") from None
+    if cfg.environment is not None:
+        _check_named_environment(cfg, cfg.environment, _origin(ns, "engine_environment"))
 
 
 def check_sample_environments(cfg: EngineConfig, samples: list[Sample]) -> None:
@@ -289,14 +279,21 @@ def check_sample_environments(cfg: EngineConfig, samples: list[Sample]) -> None:
         if name is not None and name != envs.NONE and name not in named:
             named[name] = sample.index if sample.index is not None else 0
     for name, index in named.items():
-        env = envs.get_environment(name)
-        if env is None:
-            raise UsageError(f"--input: the sample at position {index} names the environment {name!r}, which is not "
-                             f"registered (registered: {', '.join(envs.environment_names()) or 'none'}; add one with --tool-module)")
-        try:
-            env.setup(cfg)
-        except Exception as exc:
-            raise UsageError(f"--input: environment {name} (named by the sample at position {index}): {exc}") from None
+        _check_named_environment(cfg, name, f"--input (the sample at position {index})")
+
+
+def _check_named_environment(cfg: EngineConfig, name: str, origin: str) -> None:
+    """UsageError, saying where the name came from, unless the environment `name` is registered and sets up."""
+    from engine import envs
+
+    env = envs.get_environment(name)
+    if env is None:
+        raise UsageError(f"{origin}: no environment named {name!r} "
+                         f"(registered: {', '.join(envs.environment_names()) or 'none'}; add one with --tool-module)")
+    try:
+        env.setup(cfg)
+    except Exception as exc:
+        raise UsageError(f"{origin} {name}: {exc}") from None
 
 
 def check_budgets(ns: argparse.Namespace, cfg: EngineConfig, max_new_tokens: int) -> None:

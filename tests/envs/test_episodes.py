@@ -344,3 +344,17 @@ def test_run_accepts_an_empty_tools_flag_as_no_tool_offered() -> None:
         args = settings_args(parser.parse_args(["run", "--tools", given]))
         assert EngineConfig.from_args(args).tools == offered
     assert EngineConfig.from_args(settings_args(parser.parse_args(["run"]))).tools is None  # unset: every tool
+
+
+def test_run_refuses_an_input_naming_an_environment_that_is_not_registered(tmp_path: Any, capsys: Any) -> None:
+    import json
+
+    from engine.cli import main
+
+    lines = [{"prompt": "a", "metadata": {"environment": "none"}}, {"prompt": "b", "metadata": {"environment": "nowhere_env"}}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    code = main(["run", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--tools", "",
+                 "--no-progress"])
+    said = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "out.jsonl").exists()
+    assert "--input (the sample at position 1): no environment named 'nowhere_env'" in said
