@@ -28,7 +28,9 @@ once the sample ends, whatever happened. `respond`'s text is appended as the nex
 (mask 0); its reward is kept with the model turn it answers; `done` ends the episode
 (COMPLETED, reason `environment_done`, the environment's `reason` text recorded). Each call is
 bounded by `engine_tool_timeout`; a plain (not async) method runs in a worker thread.
-Like `engine.tools`, this package imports nothing else of the engine: arrows run one way.
+An environment's own settings are a class of them under its own prefix, named as its `Settings`
+and handed to its `setup` (see `Environment`). Like `engine.tools`, this package imports nothing
+else of the engine but the settings' declarations: arrows run one way.
 """
 
 from engine.envs.base import (NONE, Conversation, Environment, EnvironmentFailed, Opening, Reply, Task, check_opening,

@@ -26,7 +26,8 @@ from typing import Any
 import attrs
 
 from engine import envs
-from engine.config import EngineConfig, log_once
+from engine.logs import log_once
+from engine.settings import EngineConfig
 from engine.profiles import Profile
 from engine.profiles.base import CallResult, Turn
 
@@ -87,7 +88,7 @@ def set_up(cfg: EngineConfig, profile: Profile, name: str) -> Any:
                                  "name the module that registers it in engine_tool_modules")
     if not callable(getattr(profile, "user_turn_ids", None)):
         raise ValueError(f"the {profile.name} profile cannot append an environment's reply as a user turn")
-    return env.setup(cfg)
+    return cfg.set_up(env)
 
 
 @attrs.define(eq=False)

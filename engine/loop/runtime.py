@@ -15,7 +15,7 @@ import attrs
 
 from engine import tools
 from engine.aio import Gate
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.loop.abort import AbortSignal
 from engine.loop.environment import Environments
 from engine.loop.tool_calls import ToolRunner
@@ -47,17 +47,34 @@ class Runtime:
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
     _prompts: OrderedDict[Any, tuple[int, ...]] = attrs.field(factory=OrderedDict)  # exact_key(prompt), tools, ... -> ids
+    # Each registered tool as `setup` made it for these settings, beside the registered one it was made from.
+    _tools: dict[str, tuple[tools.Tool, tools.Tool]] = attrs.field(factory=dict, init=False)
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         self.environments = Environments(self.cfg, self.profile)
+        for name in tools.names():  # a tool's settings are checked now, not at its first call
+            self.tool(name)
 
     @property
     def environment(self) -> Any:
         """The default environment (`engine_environment`), set up for this runtime; None: none."""
         return self.environments.default
+
+    def tool(self, name: str) -> tools.Tool | None:
+        """The tool registered as `name`, set up for this runtime's settings (`Tool.setup`), or None.
+
+        A tool registered after the runtime was made is set up at its first call.
+        """
+        registered = tools.get(name)
+        if registered is None:
+            return None
+        made = self._tools.get(name)
+        if made is None or made[0] is not registered:
+            made = self._tools[name] = (registered, self.cfg.set_up(registered))
+        return made[1]
 
     def in_flight(self) -> InFlight:
         """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.

@@ -14,7 +14,7 @@ import pytest
 import respx
 
 from engine import envs, slime
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.local.sample import Sample
 from engine.loop.driver import drive, new_rollout
 from engine.loop.environment import Choice, UnknownEnvironment, read_choice

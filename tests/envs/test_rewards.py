@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from engine import slime
-from engine.config import EngineConfig, SettingsError
+from engine.settings import EngineConfig, SettingsError
 from engine.local.sample import Sample
 from engine.profiles.reward import RewardRule, turn_rewards_by_turn
 from tests.conftest import run
