@@ -90,10 +90,11 @@ class RewardRule:
     - `weighted`: `turn_weight` x the turns' sum + `answer_weight` x A.
     """
 
-    name: str = attrs.field(default="sum", validator=attrs.validators.in_(RULES))
-    discount: float = 0.9
-    turn_weight: float = 1.0
-    answer_weight: float = 1.0
+    # No defaults here: the settings declare them (engine_reward_*), once.
+    name: str = attrs.field(validator=attrs.validators.in_(RULES))
+    discount: float
+    turn_weight: float
+    answer_weight: float
 
     def score(self, rewards: Mapping[int, float], turns: int, answer: float | None = None) -> float:
         """The scalar of an episode of `turns` model turns, `rewards` by turn number (1-based), `answer` (None: not counted)."""

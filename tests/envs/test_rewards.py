@@ -17,26 +17,30 @@ from tests.support.helpers import make_args
 REWARDS = {1: -0.1, 2: 0.0, 3: 1.0}  # by model turn
 
 
+def rule(name: str, discount: float = 0.9, turn_weight: float = 1.0, answer_weight: float = 1.0) -> RewardRule:
+    return RewardRule(name, discount, turn_weight, answer_weight)
+
+
 @pytest.mark.parametrize("rule, answer, score", [
-    (RewardRule("sum"), None, 0.9),
-    (RewardRule("sum"), 1.0, 1.9),
-    (RewardRule("discounted", discount=0.5), None, -0.1 + 0.25 * 1.0),
-    (RewardRule("discounted", discount=0.5), 1.0, -0.1 + 0.25 * 2.0),  # the answer weighs as the last turn
-    (RewardRule("last"), None, 1.0),
-    (RewardRule("last"), -1.0, 0.0),
-    (RewardRule("weighted", turn_weight=0.5, answer_weight=2.0), None, 0.45),
-    (RewardRule("weighted", turn_weight=0.5, answer_weight=2.0), -1.0, 0.45 - 2.0),
+    (rule("sum"), None, 0.9),
+    (rule("sum"), 1.0, 1.9),
+    (rule("discounted", discount=0.5), None, -0.1 + 0.25 * 1.0),
+    (rule("discounted", discount=0.5), 1.0, -0.1 + 0.25 * 2.0),  # the answer weighs as the last turn
+    (rule("last"), None, 1.0),
+    (rule("last"), -1.0, 0.0),
+    (rule("weighted", turn_weight=0.5, answer_weight=2.0), None, 0.45),
+    (rule("weighted", turn_weight=0.5, answer_weight=2.0), -1.0, 0.45 - 2.0),
 ])
 def test_each_rule_makes_its_scalar(rule: RewardRule, answer: float | None, score: float) -> None:
     assert rule.score(REWARDS, 3, answer) == pytest.approx(score)
 
 
 def test_last_means_the_last_model_turn_even_when_it_was_not_scored() -> None:
-    assert RewardRule("last").score({1: 1.0}, 3) == 0.0  # the episode ran on after its one reward
-    assert RewardRule("discounted", discount=0.5).score({}, 3, 1.0) == pytest.approx(0.25)
-    assert RewardRule("sum").score({}, 0) == 0.0
+    assert rule("last").score({1: 1.0}, 3) == 0.0  # the episode ran on after its one reward
+    assert rule("discounted", discount=0.5).score({}, 3, 1.0) == pytest.approx(0.25)
+    assert rule("sum").score({}, 0) == 0.0
     with pytest.raises(ValueError):
-        RewardRule("median")
+        rule("median")
 
 
 def test_recorded_turn_rewards_are_read_by_turn_and_odd_entries_skipped() -> None:
