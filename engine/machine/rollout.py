@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import attrs
 
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.machine.trajectory import Trajectory
 from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.sglang.wire import Reply
@@ -68,6 +68,7 @@ class Inputs:
     metadata: Any = None  # the sample's metadata, read-only, for the environment's `start`
     harness: Any = None  # an agent's session (`engine.loop.harness.Harness`): the harness answers the model
     rendered: tuple[int, ...] | None = None  # the prompt's ids, rendered by the caller (an agent's first call)
+    environment_args: Any = None  # the environment's arguments for this sample (`metadata["environment"]["args"]`)
 
 
 @attrs.frozen
@@ -102,6 +103,8 @@ class TurnScratch:
     observation_ids: list[int] = attrs.field(factory=list)
     env_reply: Any = None  # the environment's `Reply` to this turn
     harness: HarnessEvent | None = None  # an agent's next call (or its end), after this turn was answered
+    env_seconds: float = 0.0  # how long the environment took to answer it
+    env_blocked: float = 0.0  # how long it held the event loop at once while answering, when that stalled others
 
 
 @attrs.define(eq=False, slots=True)
@@ -144,6 +147,8 @@ class Record:
     # Per /generate call, the meta_info counters slime accumulates (cached_tokens, spec_*...).
     call_stats: list[dict[str, int]] = attrs.field(factory=list)
     env_reason: str | None = None  # why the environment ended the episode, in its own words
+    env_success: bool | None = None  # whether it says the episode reached its goal
+    env_seconds: float = 0.0  # time in the environment: start, every answer, end
 
 
 @attrs.frozen
@@ -211,6 +216,8 @@ class Rollout:
     tool_sessions: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool name
     env_episode: Any = None  # what the environment's `start` returned (env_started: it was called)
     env_started: bool = False
+    # The episode's chat messages as `respond` sees them, recorded as turns happen (None: no environment).
+    conversation: list[dict[str, Any]] | None = None
     # Partial rollout: what RESET made of the caller's checkpoint, and how far the last turn got.
     resume: Restored | None = None
     resume_rejected: str | None = None

@@ -199,7 +199,7 @@ def write_sample(
     """
     write_arrays(sample, r, r.traj, r.text, r.record.weight_versions, r.record.call_stats)
     if hasattr(sample, "non_generation_time"):
-        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds
+        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds + r.record.env_seconds
     if r.reason in NOT_TRAINED or exhausted:
         sample.remove_sample = True  # slime keeps it in its group, trains none of it
     set_status(sample, "FAILED" if exhausted else r.state)
@@ -438,7 +438,9 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
         meta["turn_rewards"] = rewards
     env = r.inputs.environment
     if env is not None:
-        meta["environment"] = {"name": getattr(env, "name", type(env).__name__), "reason": record.env_reason}
+        meta["environment"] = {"name": getattr(env, "name", type(env).__name__), "reason": record.env_reason,
+                               "success": record.env_success}
+        meta["environment_time"] = round(record.env_seconds, 6)
     if r.traj.experts is not None:
         meta["routed_experts_rows"] = r.traj.routed_rows  # from the server; the rest are padding
     if r.resume_rejected:

@@ -19,7 +19,7 @@ import pytest
 import respx
 
 from engine.agent.sessions import AgentSessions
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.local.invariants import sample_violations
 from engine.local.sample import Sample
 from engine.loop.runtime import Runtime
