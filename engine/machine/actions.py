@@ -60,7 +60,7 @@ def append_model_turn(r: Rollout) -> None:
     start = reply.routed_experts_start_len
     r.traj.append_model_turn(reply.ids, reply.logprobs, reply.top_p, reply.weight_version,
                              reply.routed_experts, r.traj.routed_rows if start is None else start)
-    r.partial_turn_tokens = 0
+    r.partial_turn_tokens = r.turn_resumes = 0
     _log_turn(r)
     # The trajectory holds the turn now. The reply's boxed ids and logprobs (a Python object each)
     # would otherwise stay until the next turn; only its verdict (finish, problem) is read again.
@@ -72,11 +72,11 @@ def append_partial_turn(r: Rollout) -> None:
     from them, within its own cap; the harness gets the whole turn as one reply."""
     reply = r.turn.reply
     assert reply is not None
-    held = r.partial_turn_tokens + len(reply.ids)
+    held, resumes = r.partial_turn_tokens + len(reply.ids), r.turn_resumes + 1
     append_model_turn(r)
     r.record.turn_log[-1]["aborted"] = True
     r.turn_count -= 1  # the turn it goes on with is the same turn
-    r.partial_turn_tokens = held
+    r.partial_turn_tokens, r.turn_resumes = held, resumes
 
 
 def record_unusable_reply(r: Rollout) -> None:

@@ -222,6 +222,7 @@ class Rollout:
     resume: Restored | None = None
     resume_rejected: str | None = None
     partial_turn_tokens: int = 0
+    turn_resumes: int = 0  # how often an agent's turn was aborted and went on (reset by a whole turn)
     attempt: int = 1
     # An agent's session: the segments its history breaks closed, where the open one began, and
     # the cap and stop strings its waiting call asked for (`max_tokens`, `stop`).
