@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 import attrs
 
-from engine.settings import EngineConfig
 from engine.machine.trajectory import Trajectory
 from engine.profiles.base import CallResult, ToolCall, Turn
+from engine.settings import EngineConfig
 from engine.sglang.wire import Reply
 
 ResumeAt = Literal["generate", "tools"]

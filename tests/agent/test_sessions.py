@@ -14,10 +14,10 @@ import respx
 
 from engine.agent.calls import CallRefused, Message, ModelAnswer, ModelCall, Part
 from engine.agent.sessions import AgentSessions
-from engine.settings import EngineConfig, RetryPolicy
 from engine.loop.runtime import Runtime
 from engine.machine.rollout import Rollout
 from engine.profiles.tokenizer import load_tokenizer
+from engine.settings import EngineConfig, RetryPolicy
 from tests.conftest import run
 from tests.support.agents import SYSTEM, TOOLS, ScriptedModel, as_message, tool_task
 from tests.support.helpers import URL
