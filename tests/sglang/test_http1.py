@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from engine.local.bench.memory import in_flight_request_bytes
-from engine.sglang.client import HttpPool, ReplyTooLarge
-from engine.sglang.http1 import MAX_HEAD, RequestTimeout
+from engine.sglang.client import HttpPool
+from engine.sglang.http1 import MAX_HEAD, ReplyTooLarge, RequestTimeout
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]  # False: close after
 
 
@@ -226,7 +226,11 @@ def test_a_body_delimited_by_the_close_is_read_to_the_end() -> None:
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", "Transfer-Encoding"),
     (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "interim"),
     (b"HTTP/1.1 100 Continue\r\n\r\n" * 20_000, "interim"),  # a flood of them: an error, not a recursion
-    (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", "compressed"),  # never asked for
+    (b"HTTP/1.1 200 OK\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{}", "Content-Encoding 'br'"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", "only transfer coding"),
+    (b"HTTP/1.1 200 OK\nContent-Length: 2\n\n{}", "bare LF"),  # never a CRLF CRLF: refused at once, not timed out
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\nX: 1\r\n\r\n{}", "bare LF"),
+    (b"HTTP/1.1 200 OK\rContent-Length: 2\r\n\r\n{}", "bare LF"),
 ])
 def test_malformed_replies_are_protocol_errors_and_the_connection_is_dropped(raw: bytes, words: str) -> None:
     async def go() -> None:
@@ -308,8 +312,8 @@ def test_json_bodies_and_event_hooks() -> None:
     async def on_request(request: httpx.Request) -> None:
         seen.append(f"{request.method} {request.url.path} {request.content.decode()}")
 
-    async def on_response(response: httpx.Response) -> None:
-        seen.append(f"{response.status_code} {response.content.decode()}")
+    async def on_response(response: httpx.Response) -> None:  # httpx hands hooks the reply unread
+        seen.append(f"{response.status_code} {(await response.aread()).decode()}")
 
     async def go() -> None:
         async with RawServer(reply(OK)) as server:

@@ -12,7 +12,7 @@ import respx
 from engine import slime
 from engine.config import EngineConfig
 from engine.local.sample import Sample
-from engine.sglang.client import EngineClient, HttpPool, make_http_client
+from engine.sglang.client import HttpPool, make_http_client
 from engine.sglang.http1 import AsyncioTransport, BodyStream
 from tests.conftest import run
 from tests.sglang.loopback import LoopbackServer, send
@@ -38,14 +38,14 @@ def test_respx_mocks_above_the_transport_on_the_production_path(fake_interpreter
     server = ScriptedServer([turn("<code>\nprint(1)\n</code>"), turn("Answer: \\boxed{1}")])
     sample = Sample(prompt="What is 1?", label="1")
     streams: list[object] = []
-    send_real = EngineClient.send
+    send_real = httpx.AsyncClient.send
 
-    async def spy(self: EngineClient, request: httpx.Request, **kw: object) -> httpx.Response:
+    async def spy(self: httpx.AsyncClient, request: httpx.Request, **kw: object) -> httpx.Response:
         streams.append(type(request.stream))
         return await send_real(self, request, **kw)
 
     written: list[object] = []
-    monkeypatch.setattr(EngineClient, "send", spy)
+    monkeypatch.setattr(httpx.AsyncClient, "send", spy)
     monkeypatch.setattr(AsyncioTransport, "handle_async_request", lambda *a: written.append(a))
     with respx.mock(assert_all_called=False) as mock:
         mock.post(URL + "/generate").mock(side_effect=server)
@@ -118,12 +118,12 @@ def test_a_redirect_is_handed_back_not_followed_and_a_closed_client_refuses() ->
     assert asyncio.run(go()) == (302, 1)  # one POST: the Location was never followed
 
 
-def test_what_the_engine_never_asks_for_still_goes_through_httpx_s_own_send() -> None:
-    """Auth and followed redirects are httpx's: a user's own use of the client keeps them."""
+def test_httpx_s_auth_and_redirects_work_over_the_engine_s_transport() -> None:
+    """The engine uses neither, but a user's own client over the transport keeps them."""
     async def go() -> tuple[int, list[dict[str, str]]]:
         script = [send(302, b"", {"Location": "/generate"}), send(200, b"{}")]
         async with LoopbackServer(script) as server:
-            client = EngineClient(transport=AsyncioTransport(4), trust_env=False)
+            client = httpx.AsyncClient(transport=AsyncioTransport(4), trust_env=False)
             response = await client.send(httpx.Request("POST", server.url + "/generate", content=b"{}"),
                                          auth=httpx.BasicAuth("u", "p"), follow_redirects=True)
             await client.aclose()
@@ -136,7 +136,7 @@ def test_what_the_engine_never_asks_for_still_goes_through_httpx_s_own_send() ->
 def test_a_client_made_to_follow_redirects_follows_them() -> None:
     async def go() -> tuple[int, int]:
         async with LoopbackServer([send(307, b"", {"Location": "/generate"}), send(200, b"{}")]) as server:
-            client = EngineClient(transport=AsyncioTransport(4), trust_env=False, follow_redirects=True)
+            client = httpx.AsyncClient(transport=AsyncioTransport(4), trust_env=False, follow_redirects=True)
             response = await client.send(httpx.Request("POST", server.url + "/generate", content=b"{}"))
             await client.aclose()
             return response.status_code, len(server.generates)
