@@ -27,10 +27,10 @@ environment's `reason` text recorded). Each call is bounded by `engine_tool_time
 Like `engine.tools`, this package imports nothing else of the engine: arrows run one way.
 """
 
-from engine.envs.base import (Environment, EnvironmentFailed, Reply, check_reply, environment_names, get_environment,
-                              register_environment, registered_environment, unregister_environment)
+from engine.envs.base import (Environment, EnvironmentFailed, HttpClient, Reply, check_reply, environment_names,
+                              get_environment, register_environment, registered_environment, unregister_environment)
 
 from engine.envs import user_simulator  # noqa: E402,F401,I001  (registers the shipped example)
 
-__all__ = ["Environment", "EnvironmentFailed", "Reply", "check_reply", "environment_names", "get_environment",
+__all__ = ["Environment", "EnvironmentFailed", "HttpClient", "Reply", "check_reply", "environment_names", "get_environment",
            "register_environment", "registered_environment", "unregister_environment"]

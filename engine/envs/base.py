@@ -6,7 +6,7 @@ import contextlib
 import math
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import attrs
 
@@ -33,18 +33,29 @@ class EnvironmentFailed(Exception):
     """
 
 
+class HttpClient(Protocol):
+    """The engine's HTTP client, as `setup` gets it: the pool, reply cap and retry policy `/generate` has."""
+
+    async def post_json(self, url: str, body: Any, *, timeout: float) -> Any:
+        """POST `body` as JSON to `url` and return the reply's JSON, all attempts within `timeout`
+        seconds (transient failures are retried). Raises on failure, saying what happened."""
+        ...  # pragma: no cover
+
+
 class Environment:
     """Base class of an environment. Subclasses set `name` and implement `respond`.
 
-    `setup(settings)` is called once per engine runtime with the engine's settings (an object
-    with attributes, e.g. `engine_tool_timeout` as `settings.tool_timeout`) and returns the
-    environment that runtime uses: by default `self`. `aclose` is called when the runtime closes.
+    `setup(settings, http)` is called once per engine runtime with the engine's settings (an
+    object with attributes, e.g. `engine_tool_timeout` as `settings.tool_timeout`) and its HTTP
+    client (`HttpClient`; None when the settings are only being checked), and returns the
+    environment that runtime uses: by default `self`. An environment that asks a service (a
+    second model, a judge) keeps `http` and asks through it. `aclose` is called when the runtime closes.
     """
 
     name: ClassVar[str] = ""
 
-    def setup(self, settings: Any) -> Environment:
-        """The environment one runtime uses (override to read settings or open clients)."""
+    def setup(self, settings: Any, http: HttpClient | None = None) -> Environment:
+        """The environment one runtime uses (override to read settings or keep `http`)."""
         return self
 
     async def start(self, prompt: Any, metadata: Mapping[str, Any]) -> Any:

@@ -9,8 +9,9 @@ from engine.config import EngineConfig
 from engine.profiles import Profile
 
 
-def set_up_environment(cfg: EngineConfig, profile: Profile) -> Any:
-    """The environment `engine_environment` names, set up for one runtime; None when none is chosen.
+def set_up_environment(cfg: EngineConfig, profile: Profile, http: Any = None) -> Any:
+    """The environment `engine_environment` names, set up for one runtime with its HTTP client
+    (`engine.sglang.client.ServiceClient`); None when none is chosen.
 
     Raises ValueError naming the registered ones for an unknown name, and for a profile that
     cannot render a user turn.
@@ -24,4 +25,4 @@ def set_up_environment(cfg: EngineConfig, profile: Profile) -> Any:
                          "name the module that registers it in engine_tool_modules")
     if not callable(getattr(profile, "user_turn_ids", None)):
         raise ValueError(f"the {profile.name} profile cannot append an environment's reply as a user turn")
-    return env.setup(cfg)
+    return env.setup(cfg, http)

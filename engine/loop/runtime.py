@@ -21,7 +21,7 @@ from engine.loop.environment import set_up_environment
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
-from engine.sglang.client import SGLangClient, make_http_client
+from engine.sglang.client import ServiceClient, SGLangClient, make_http_client
 from engine.tools import mcp_servers
 
 START_GATE = 32  # samples beginning their set-up per event-loop turn when many start at once
@@ -51,7 +51,8 @@ class Runtime:
 
     def __attrs_post_init__(self) -> None:
         if self.environment is None:  # the one `engine_environment` names, set up for this runtime
-            self.environment = set_up_environment(self.cfg, self.profile)
+            http = ServiceClient(self.client.http, self.cfg.retry)  # its requests share the loop's pool
+            self.environment = set_up_environment(self.cfg, self.profile, http)
 
     def in_flight(self) -> InFlight:
         """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import re
 from pathlib import Path
 
 import httpx
+import pytest
 import respx
 
 from engine import slime
 from engine.config import EngineConfig
 from engine.local.sample import Sample
-from engine.sglang.client import HttpPool, make_http_client
+from engine.sglang.client import EngineClient, HttpPool, NoCookies, make_http_client
 from engine.sglang.http1 import AsyncioTransport, BodyStream
 from tests.conftest import run
 from tests.sglang.loopback import LoopbackServer, send
@@ -86,19 +88,26 @@ def test_httpx_event_hooks_see_every_request_and_reply() -> None:
     assert seen == [("request", b"{}"), ("response", (200, b'{"a": 1}', "v"))]
 
 
-def test_cookies_a_server_sets_are_never_sent_back() -> None:
-    async def go() -> list[dict[str, str]]:
+def test_cookies_a_server_sets_are_never_kept_nor_sent_back(monkeypatch) -> None:
+    """httpx hands every reply to `client.cookies.extract_cookies`: the engine's client's `NoCookies`."""
+    handed: list[int] = []
+    monkeypatch.setattr(NoCookies, "extract_cookies", lambda self, response: handed.append(response.status_code))
+
+    async def go() -> tuple[list[dict[str, str]], int, int]:
         cookie = {"Set-Cookie": "session=abc; Path=/"}
         async with LoopbackServer([send(200, b"{}", cookie), send(200, b"{}", cookie)]) as server:
             pool = HttpPool(4, httpx.Timeout(5.0))
             for _ in range(2):
                 assert (await pool.post(server.url + "/generate", content=b"{}")).status_code == 200
+            kept, jar = len(pool.client.cookies), len(pool.client.cookies.jar)
             await pool.aclose()
-            return [s.headers for s in server.generates]
+            return [s.headers for s in server.generates], kept, jar
 
-    first, second = asyncio.run(go())
-    assert "cookie" not in first and "cookie" not in second
-
+    (first, second), kept, jar = asyncio.run(go())
+    assert "cookie" not in first and "cookie" not in second and kept == jar == 0
+    assert handed == [200, 200]  # httpx's own path, through the public `cookies`
+    with pytest.raises(ValueError, match="keeps no cookies"):
+        EngineClient(cookies={"a": "b"})
 
 
 def test_a_redirect_is_handed_back_not_followed_and_a_closed_client_refuses() -> None:
@@ -142,3 +151,93 @@ def test_a_client_made_to_follow_redirects_follows_them() -> None:
             return response.status_code, len(server.generates)
 
     assert asyncio.run(go()) == (200, 2)
+
+
+# -- httpx's own contracts hold on the engine's path ---------------------------------------------
+def test_a_reply_has_its_elapsed_time_and_can_be_streamed() -> None:
+    async def go() -> tuple[float, list[bytes], bytes]:
+        async with LoopbackServer([send(200, b'{"a": 1}'), send(200, b'{"b": 2}')]) as server:
+            pool = HttpPool(4, httpx.Timeout(5.0))
+            response = await pool.post(server.url + "/generate", content=b"{}")
+            async with pool.client.stream("POST", server.url + "/generate", content=b"{}") as streamed:
+                chunks = [chunk async for chunk in streamed.aiter_bytes()]
+            await pool.aclose()
+            return response.elapsed.total_seconds(), chunks, response.content
+
+    elapsed, chunks, content = asyncio.run(go())
+    assert 0 < elapsed < 5 and content == b'{"a": 1}' and b"".join(chunks) == b'{"b": 2}'
+
+
+def test_a_transport_error_carries_its_request() -> None:
+    async def go() -> list[tuple[type, httpx.Request, httpx.Request]]:
+        caught = []
+        async with LoopbackServer([send(200, b"{}")]) as server:
+            url = server.url + "/generate"
+        pool = HttpPool(4, httpx.Timeout(5.0))
+        for target in (url, "ftp://127.0.0.1/generate"):
+            request = pool.client.build_request("POST", target, content=b"{}")
+            try:
+                await pool.client.send(request)
+            except httpx.RequestError as exc:
+                caught.append((type(exc), exc.request, request))
+        await pool.aclose()
+        return caught
+
+    (refused, seen, sent), (unsupported, seen2, sent2) = asyncio.run(go())
+    assert refused is httpx.ConnectError and unsupported is httpx.UnsupportedProtocol
+    assert seen is sent and seen2 is sent2
+
+
+def private_httpx_names_in(source: str, httpx_private: set[str], own: set[str]) -> set[str]:
+    """The `_names` of httpx that `source` reaches for: `obj._name` for a name httpx defines and the
+    engine does not (`own`), and any `httpx._module`."""
+    tree = ast.parse(source)
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+            and not node.attr.startswith("__")}
+    modules = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    return (used & httpx_private - own) | {m for m in modules if m.startswith("httpx._")}
+
+
+def defined_private_names(sources: list[str], *, but_in_httpx_subclasses: bool = False) -> set[str]:
+    """`_names` that code defines (functions, classes, assigned attributes and variables, arguments);
+    with `but_in_httpx_subclasses`, not those a subclass of an httpx class defines or assigns: there
+    they may be httpx's own."""
+    names: set[str] = set()
+    for source in sources:
+        tree = ast.parse(source)
+        skipped: set[int] = set()
+        if but_in_httpx_subclasses:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef) and any("httpx" in ast.unparse(b) for b in node.bases):
+                    skipped |= {id(inner) for inner in ast.walk(node)} - {id(node)}
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_the_engine_touches_no_private_name_of_httpx() -> None:
+    httpx_private = defined_private_names([p.read_text() for p in Path(httpx.__file__).parent.rglob("*.py")])
+    sources = {p: p.read_text() for p in ENGINE.rglob("*.py")}
+    own = defined_private_names(list(sources.values()), but_in_httpx_subclasses=True)
+    offenders = {str(p.relative_to(ENGINE)): found for p, text in sources.items()
+                 if (found := private_httpx_names_in(text, httpx_private, own))}
+    assert offenders == {}
+    # what the check finds, planted
+    planted = ("import httpx\nfrom httpx._models import Response\n"
+               "class Whole(httpx.Response):\n"
+               "    def __init__(self, body):\n"
+               "        self._content = body\n"
+               "async def send(client, request):\n"
+               "    return await client._transport_for_url(request.url).handle_async_request(request)\n")
+    own_too = own | defined_private_names([planted], but_in_httpx_subclasses=True)
+    assert private_httpx_names_in(planted, httpx_private, own_too) == {"_transport_for_url", "_content", "httpx._models"}
