@@ -34,6 +34,7 @@ from engine.config import (SETTINGS, EngineConfig, SettingsError, flagged_settin
                            unknown_keys, warn_once)
 from engine.local.demos import demo_file, demo_replay
 from engine.local.sample import Sample
+from engine.sglang.client import request_once
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -309,7 +310,7 @@ def server_context_length(url: str) -> int | None:
     """The server's context length from `/server_info` (or its old alias); None if not told."""
     for route in ("/server_info", "/get_server_info"):
         try:
-            info = httpx.get(url.rstrip("/") + route, timeout=10, trust_env=False).json()
+            info = request_once("GET", url.rstrip("/") + route, timeout=10).json()
         except (httpx.HTTPError, ValueError):
             continue
         if isinstance(info, dict) and isinstance(info.get("context_length"), int):
@@ -320,7 +321,7 @@ def server_context_length(url: str) -> int | None:
 def check_reachable(url: str) -> str | None:
     """None when the server answers `/health`, else a sentence saying what went wrong."""
     try:
-        httpx.get(url.rstrip("/") + "/health", timeout=10, trust_env=False)
+        request_once("GET", url.rstrip("/") + "/health", timeout=10)
     except httpx.HTTPError as exc:
         return f"cannot reach the server at {url}: {type(exc).__name__}: {exc}"
     return None

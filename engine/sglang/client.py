@@ -118,8 +118,8 @@ def check_url(url: str, what: str = "server URL") -> str:
     except (httpx.InvalidURL, TypeError) as exc:
         raise ValueError(f"the {what} {url!r} is not a URL: {exc}") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"the {what} {url!r} is not an http:// or https:// URL with a host "
-                         f"(write http://{str(url).split('://')[-1]}?)")
+        hint = f" (http://{url}?)" if "://" not in url else ""
+        raise ValueError(f"the {what} {url!r} is not an http:// or https:// URL with a host{hint}")
     return url
 
 
@@ -197,6 +197,20 @@ class HttpPool:
         await self.client.aclose()
 
 
+def request_once(method: str, url: str, *, timeout: float, max_body: int = 1 << 20) -> httpx.Response:
+    """One request outside any event loop (a command's check before its run starts), through a pool
+    of its own: the engine's transport, its bounds (`timeout` connect to last byte, `max_body`).
+    Raises what `HttpPool.request` raises: `httpx.HTTPError`s (`ReplyRefused` among them)."""
+    async def once() -> httpx.Response:
+        pool = HttpPool(1, httpx.Timeout(timeout), max_body=max_body)
+        try:
+            return await pool.request(method, url, limit=timeout)
+        finally:
+            await pool.aclose()
+
+    return asyncio.run(once())
+
+
 def make_http_client(cfg: EngineConfig) -> HttpPool:
     """The connection pool of one event loop's samples, sized and timed as the settings say."""
     timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
@@ -270,7 +284,7 @@ async def exchange(http: HttpPool, url: str, body: bytes | BodySource, headers: 
         response = await http.request("POST", url, content=body, headers=headers, limit=limit)
     except ReplyRefused as exc:  # the same request would get the same reply: not retried
         return Failure("rejected", str(exc), exc.status)
-    except httpx.UnsupportedProtocol as exc:  # a URL no attempt can reach
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:  # a URL no attempt can reach
         return Failure("rejected", f"{type(exc).__name__}: {exc}")
     except httpx.RequestError as exc:  # connect, read, write, protocol, timeouts
         return _Transient(f"{type(exc).__name__}: {exc}")

@@ -306,4 +306,4 @@ def test_a_url_without_a_scheme_is_a_setup_error_and_nothing_is_posted() -> None
             return refused, len(server.generates)
 
     refused, posts = asyncio.run(go())
-    assert posts == 0 and "write http://127.0.0.1:" in refused[0]
+    assert posts == 0 and "(http://127.0.0.1:" in refused[0] and "(http:" not in refused[2]
