@@ -1,4 +1,4 @@
-"""Tools served by MCP servers, through the official `mcp` SDK (`pip install 'fsm-rollout-engine[mcp]'`).
+"""Tools served by MCP servers, through the official `mcp` SDK (the `mcp` extra: `pip install -e '.[mcp]'` in the checkout).
 
     engine_mcp_servers:
       - python my_server.py --flag      # a command line: the server speaks MCP over its stdin/stdout
@@ -39,7 +39,8 @@ def _sdk() -> Any:
     try:
         import mcp
     except ImportError:
-        raise ValueError("engine_mcp_servers needs the MCP SDK: pip install 'fsm-rollout-engine[mcp]'") from None
+        raise ValueError("engine_mcp_servers needs the MCP SDK: pip install 'mcp>=2,<3' "
+                         "(or, in the engine's checkout, pip install -e '.[mcp]')") from None
     return mcp
 
 
