@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import logging
 import re
 from pathlib import Path
 
@@ -243,3 +244,20 @@ def test_the_engine_touches_no_private_name_of_httpx() -> None:
                "    return await client._transport_for_url(request.url).handle_async_request(request)\n")
     own = defined_private_names([planted], but_in_httpx_subclasses=True)
     assert private_httpx_names_in(planted, httpx_private, own) == {"_transport_for_url", "_content", "httpx._models"}
+
+
+def test_httpx_s_info_line_is_dropped_for_the_engine_s_requests_only(caplog) -> None:
+    """One line a turn under slime's INFO logging otherwise; another httpx client keeps its lines."""
+    async def go() -> None:
+        async with LoopbackServer([send(200, b"{}"), send(200, b"{}")]) as server:
+            pool = HttpPool(4, httpx.Timeout(5.0))
+            await pool.post(server.url + "/generate", content=b"{}")
+            other = httpx.AsyncClient(transport=AsyncioTransport(4), trust_env=False)
+            await other.post(server.url + "/generate", content=b"{}")
+            await other.aclose()
+            await pool.aclose()
+
+    with caplog.at_level(logging.INFO, logger="httpx"):
+        asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if r.name == "httpx"]
+    assert len(lines) == 1 and lines[0].startswith("HTTP Request: POST")
