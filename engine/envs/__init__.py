@@ -24,6 +24,8 @@ answers, `respond` for every such turn, and `end` once the sample ends, whatever
 `respond`'s text is appended as the next user turn (mask 0); its reward is kept with the model
 turn it answers; `done` ends the episode (COMPLETED, reason `environment_done`, the
 environment's `reason` text recorded). Each call is bounded by `engine_tool_timeout`.
+An environment that asks a service over HTTP keeps the client `setup(settings, http)` gives it
+(`HttpClient`: the engine's own pool, reply cap and retry policy) and asks through it.
 Like `engine.tools`, this package imports nothing else of the engine: arrows run one way.
 """
 

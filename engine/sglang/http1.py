@@ -500,6 +500,8 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
         if reply.coding is not None:  # handed up as identity: httpx would inflate it again, without a cap
             body = inflate(body, reply.coding, self.max_body, reply.status)
             headers = [(k, v) for k, v in headers if k.lower() not in (b"content-encoding", b"content-length")]
+            if not reply.chunked:  # the length of what is handed up
+                headers.append((b"Content-Length", b"%d" % len(body)))
         return httpx.Response(reply.status, headers=headers, stream=ReplyStream(body), request=request,
                               extensions={"http_version": b"HTTP/1.1", "reason_phrase": reply.reason})
 
