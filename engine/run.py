@@ -222,10 +222,12 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
         where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
         raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     try:
-        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser)
+        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser)
     except Exception as exc:
         if cfg.tool_parser is not None and str(exc).startswith("unknown tool parser"):
             raise UsageError(f"{_origin(ns, 'engine_tool_parser')}: {exc}") from None
+        if cfg.reasoning_parser is not None and ("reasoning parser" in str(exc) or "engine_reasoning_parser" in str(exc)):
+            raise UsageError(f"{_origin(ns, 'engine_reasoning_parser')}: {exc}") from None
         raise UsageError(f"{_origin(ns, 'engine_profile')} {cfg.profile}: {exc}") from None
     return tokenizer
 
