@@ -29,7 +29,7 @@ import random
 import ssl
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -95,6 +95,33 @@ class EngineClient(httpx.AsyncClient):
             raise ValueError("the engine's HTTP client keeps no cookies")
 
 
+class AsIs(httpx.Auth):
+    """No authentication: each request goes out as it is. httpx's own flow for that is an async
+    generator per request (a frame, and a registration with asyncio); this is one small object."""
+
+    def async_auth_flow(self, request: httpx.Request) -> AsyncGenerator[httpx.Request, httpx.Response]:
+        return _Once(request)
+
+
+class _Once(AsyncGenerator[httpx.Request, httpx.Response]):
+    """An auth flow that yields its request once and ends at the response."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: httpx.Request) -> None:
+        self.request: httpx.Request | None = request
+
+    async def asend(self, value: httpx.Response | None) -> httpx.Request:
+        request, self.request = self.request, None
+        if request is None:
+            raise StopAsyncIteration
+        return request
+
+    async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> httpx.Request:
+        raise typ if val is None else val
+
+
+AS_IS = AsIs()
 _IN_POOL: contextvars.ContextVar[bool] = contextvars.ContextVar("engine_http_request", default=False)
 
 
@@ -178,11 +205,16 @@ class HttpPool:
             request = httpx.Request(method, self._url(url), headers=headers, content=content, extensions=extensions)
         await self._gate.acquire()
         quiet = _IN_POOL.set(True)
-        try:
-            return await self.client.send(request)
+        try:  # credentials in the URL (http://user:pass@host) get httpx's own flow: Basic auth
+            response = await self.client.send(request, auth=httpx.USE_CLIENT_DEFAULT if request.url.userinfo else AS_IS)
         finally:
             _IN_POOL.reset(quiet)
             self._gate.release()
+        # httpx wraps the stream in one that points back at the response (to set `elapsed` when it
+        # closes): a cycle, so every reply, its body and its request would wait for a collection,
+        # and the engine defers full ones while samples are in flight. The body is read: let go.
+        response.stream = httpx.ByteStream(b"")
+        return response
 
     async def post(self, url: str, *, limit: float | None = None, **kwargs: Any) -> httpx.Response:
         """POST through `request`."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import gc
 import logging
 import re
 from pathlib import Path
@@ -261,3 +262,39 @@ def test_httpx_s_info_line_is_dropped_for_the_engine_s_requests_only(caplog) -> 
         asyncio.run(go())
     lines = [r.getMessage() for r in caplog.records if r.name == "httpx"]
     assert len(lines) == 1 and lines[0].startswith("HTTP Request: POST")
+
+
+def test_the_engine_s_requests_carry_no_credentials_unless_its_url_does() -> None:
+    async def go() -> list[dict[str, str]]:
+        async with LoopbackServer([send(200, b"{}"), send(200, b"{}")]) as server:
+            pool = HttpPool(4, httpx.Timeout(5.0))
+            await pool.post(server.url + "/generate", content=b"{}")
+            with_user = server.url.replace("http://", "http://user:secret@")
+            response = await pool.post(with_user + "/generate", content=b"{}")
+            await pool.aclose()
+            assert response.status_code == 200 and response.history == []
+            return [s.headers for s in server.generates]
+
+    bare, with_user = asyncio.run(go())
+    assert "authorization" not in bare and with_user["authorization"] == "Basic dXNlcjpzZWNyZXQ="
+
+
+def test_a_reply_read_through_the_pool_leaves_no_cycle_for_the_collector() -> None:
+    """httpx's response and the stream it wraps point at each other; the engine defers full
+    collections while samples are in flight, so each reply, body and request would wait for one."""
+    async def go() -> int:
+        async with LoopbackServer([send(200, b'{"a": 1}')], repeat_last=True) as server:
+            pool = HttpPool(4, httpx.Timeout(5.0))
+            await pool.post(server.url + "/generate", content=b"{}")
+            gc.collect()
+            gc.disable()
+            try:
+                for _ in range(20):
+                    assert (await pool.post(server.url + "/generate", content=b"{}")).content == b'{"a": 1}'
+                found = gc.collect()
+            finally:
+                gc.enable()
+            await pool.aclose()
+            return found
+
+    assert asyncio.run(go()) == 0
