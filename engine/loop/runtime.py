@@ -15,12 +15,12 @@ import attrs
 
 from engine import tools
 from engine.aio import Gate
-from engine.config import EngineConfig
 from engine.loop.abort import AbortSignal
-from engine.loop.environment import set_up_environment
+from engine.loop.environment import Environments
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
+from engine.settings import EngineConfig
 from engine.sglang.client import ServiceClient, SGLangClient, make_http_client
 from engine.tools import mcp_servers
 
@@ -40,19 +40,42 @@ class Runtime:
     tool_runner: ToolRunner
     abort: AbortSignal = attrs.field(factory=AbortSignal)
     abort_check: Callable[[], bool] | None = None  # the caller's own flag (slime's, via the adapter)
-    environment: Any = None  # the chosen `engine.envs.Environment`, set up for this runtime (None: none)
+    # The environments set up for this runtime, by name: the default (`engine_environment`) at once,
+    # those samples name (`metadata["environment"]`) when one first does.
+    environments: Environments = attrs.field(init=False)
     # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
     _prompts: OrderedDict[Any, tuple[int, ...]] = attrs.field(factory=OrderedDict)  # exact_key(prompt), tools, ... -> ids
+    # Each registered tool as `setup` made it for these settings, beside the registered one it was made from.
+    _tools: dict[str, tuple[tools.Tool, tools.Tool]] = attrs.field(factory=dict, init=False)
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.environment is None:  # the one `engine_environment` names, set up for this runtime
-            http = ServiceClient(self.client.http, self.cfg.retry)  # its requests share the loop's pool
-            self.environment = set_up_environment(self.cfg, self.profile, http)
+        # Their services are asked through the loop's one pool, as /generate is.
+        self.environments = Environments(self.cfg, self.profile, ServiceClient(self.client.http, self.cfg.retry))
+        for name in tools.names():  # a tool's settings are checked now, not at its first call
+            self.tool(name)
+
+    @property
+    def environment(self) -> Any:
+        """The default environment (`engine_environment`), set up for this runtime; None: none."""
+        return self.environments.default
+
+    def tool(self, name: str) -> tools.Tool | None:
+        """The tool registered as `name`, set up for this runtime's settings (`Tool.setup`), or None.
+
+        A tool registered after the runtime was made is set up at its first call.
+        """
+        registered = tools.get(name)
+        if registered is None:
+            return None
+        made = self._tools.get(name)
+        if made is None or made[0] is not registered:
+            made = self._tools[name] = (registered, self.cfg.set_up(registered))
+        return made[1]
 
     def in_flight(self) -> InFlight:
         """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.
@@ -158,10 +181,9 @@ class Runtime:
         return frozenset(allowed)
 
     async def aclose(self) -> None:
-        """Close the environment, the MCP servers this loop started, and the HTTP pool."""
+        """Close the environments, the MCP servers this loop started, and the HTTP pool."""
         try:
-            if self.environment is not None:
-                await self.environment.aclose()
+            await self.environments.aclose()
             if self.cfg.mcp_servers:
                 await mcp_servers.close_connections()  # the servers this loop started end with the run
         finally:

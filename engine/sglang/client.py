@@ -36,7 +36,8 @@ import attrs
 import httpx
 
 from engine.aio import Gate, within
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
+from engine.settings.declare import default_of
 from engine.sglang.http1 import LIMIT, AsyncioTransport, BodySource, BodyStream, ReplyRefused
 from engine.sglang.wire import (
     Failure,
@@ -159,7 +160,7 @@ class HttpPool:
     limit are the engine's transport's, so another one must bound those itself.
     """
 
-    def __init__(self, max_connections: int, timeout: httpx.Timeout, max_body: int = 1 << 30,
+    def __init__(self, max_connections: int, timeout: httpx.Timeout, max_body: int = default_of(EngineConfig, "max_reply_bytes"),
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.max_body = max_body  # a reply past it raises ReplyTooLarge: memory is bounded, not only time
         connections = max(1, max_connections)
@@ -270,12 +271,15 @@ class Retrying:
         """`await attempt(budget)` until it returns anything but a `_Transient`, which is retried.
 
         `budget` is the seconds the attempt may take: `timeout`, or less when the retry deadline
-        (the policy's, or `deadline` seconds if sooner) is nearer. When the attempts run out, or
+        (the policy's, else `timeout`; or `deadline` seconds if sooner) is nearer. When the attempts run out, or
         the next wait would pass the deadline, the last transient failure comes back as
         `Failure("unavailable")`.
         """
         loop = asyncio.get_running_loop()
-        seconds = self.policy.deadline if deadline is None else min(deadline, self.policy.deadline)
+        # a policy without a deadline of its own (a bare RetryPolicy()) retries within `timeout`
+        seconds = timeout if self.policy.deadline is None else self.policy.deadline
+        if deadline is not None:
+            seconds = min(seconds, deadline)
         deadline = loop.time() + seconds
         attempts = 0
         while True:
@@ -347,7 +351,7 @@ class SGLangClient:
         http: HttpPool,
         retry: RetryPolicy,
         *,
-        request_timeout: float = 1800.0,
+        request_timeout: float = default_of(EngineConfig, "request_timeout"),
         vocab_size: int | None = None,
         rng: random.Random | None = None,
     ) -> None:

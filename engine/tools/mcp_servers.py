@@ -162,14 +162,15 @@ def _text(result: Any) -> str:
 class McpTool(Tool):
     """A tool one MCP server lists, called through the SDK."""
 
-    def __init__(self, spec: str, name: str, description: str, parameters: dict[str, Any]) -> None:
+    def __init__(self, spec: str, name: str, description: str, parameters: dict[str, Any], timeout: float) -> None:
         self.spec = spec
+        self.timeout = timeout  # the tool timeout it was registered under: a call's limit outside the engine's calls
         self.name = name  # type: ignore[misc]
         self.description = description  # type: ignore[misc]
         self.parameters = parameters  # type: ignore[misc]
 
     async def execute(self, state: Any, **arguments: Any) -> ToolResult:
-        seconds = call_timeout(120.0)
+        seconds = call_timeout(self.timeout)
         conn = connection(self.spec)
         try:
             session = await conn.session(seconds)
@@ -296,12 +297,12 @@ def register_servers(specs: tuple[str, ...], timeout: float) -> list[str]:
             if spec not in _registered:
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
                     listed = pool.submit(asyncio.run, list_tools(spec, max(timeout, LIST_SECONDS))).result()
-                _registered[spec] = _register(spec, listed)
+                _registered[spec] = _register(spec, listed, timeout)
             names += _registered[spec]
     return names
 
 
-def _register(spec: str, listed: list[tuple[str, str, Any]]) -> list[str]:
+def _register(spec: str, listed: list[tuple[str, str, Any]], timeout: float) -> list[str]:
     chosen: list[McpTool] = []
     for name, description, schema in listed:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -316,7 +317,7 @@ def _register(spec: str, listed: list[tuple[str, str, Any]]) -> list[str]:
             owner = describe(existing.spec) if isinstance(existing, McpTool) else f"the tool {_origin(existing)}"
             raise ValueError(f"tool name clash: {describe(spec)} lists {name!r}, which {owner} already has; "
                              "rename one or drop a server from engine_mcp_servers")
-        chosen.append(McpTool(spec, name, description, schema))
+        chosen.append(McpTool(spec, name, description, schema, timeout))
     for tool in chosen:
         register(tool)
     return [t.name for t in chosen]

@@ -14,8 +14,8 @@ import pytest
 import respx
 
 from engine import slime
-from engine.config import EngineConfig
 from engine.local.sample import Sample
+from engine.settings import EngineConfig
 from engine.sglang.client import EngineClient, HttpPool, NoCookies, make_http_client
 from engine.sglang.http1 import AsyncioTransport, BodyStream
 from tests.conftest import run

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from engine import slime
-from engine.config import EngineConfig, RetryPolicy
 from engine.local.sample import Sample
 from engine.loop.runtime import Runtime
+from engine.settings import EngineConfig, RetryPolicy
 from engine.sglang.client import HttpPool, ServiceClient, ServiceFailed, SGLangClient
 from engine.sglang.wire import Reply
 from tests.sglang.loopback import Handler, LoopbackServer, drip, response_bytes, send
@@ -297,8 +297,8 @@ def test_a_url_without_a_scheme_is_a_setup_error_and_nothing_is_posted() -> None
                 with pytest.raises(ValueError, match="not an http:// or https:// URL") as caught:
                     SGLangClient(url, HttpPool(4, httpx.Timeout(5.0)), RetryPolicy())
                 refused.append(str(caught.value))
-            with pytest.raises(ValueError, match="not an http:// or https:// URL"):
-                Runtime.create(EngineConfig(server_url=bare))  # built directly, past the settings' checks
+            with pytest.raises(ValueError, match="an http:// or https:// URL"):  # the settings refuse it first
+                Runtime.create(EngineConfig(server_url=bare))
             service = ServiceClient(HttpPool(4, httpx.Timeout(5.0)), RetryPolicy(base_delay=0.01))
             with pytest.raises(ServiceFailed, match="UnsupportedProtocol"):  # final at once, never retried
                 await service.post_json(bare + "/generate", {}, timeout=30.0)
