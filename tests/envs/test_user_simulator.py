@@ -195,3 +195,18 @@ def test_the_simulator_reads_the_policy_without_markup_and_renders_chatml():
     episode = run(UserSimulator().start(envs.Task("Hi", {"user_instructions": "Be Ada."}, {"user_instructions": "Be Bo."})))
     assert "Be Bo." in episode[0]["content"] and "Be Ada." not in episode[0]["content"]
     assert isinstance(envs.get_environment("user_simulator"), UserSimulator)
+
+
+def test_an_environment_gets_the_http_client_only_where_its_setup_takes_it():
+    from engine.loop.environment import takes_http
+
+    class Before(envs.Environment):  # written before setup took http
+        def setup(self, cfg, settings=None):
+            return self
+
+    class Open(envs.Environment):
+        def setup(self, cfg, settings=None, **given):
+            return self
+
+    assert takes_http(UserSimulator().setup) and takes_http(Open().setup) and takes_http(envs.Environment().setup)
+    assert not takes_http(Before().setup) and not takes_http(len)
