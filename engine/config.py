@@ -100,8 +100,8 @@ Reader = Literal["engine", "run"]
 class Setting:
     """One key of slime's `args` (or of the YAML) that the engine reads.
 
-    `kind` is int, float, bool, str, "names" (a list, or a comma-separated string) or
-    "url". Numbers must lie in [low, high]; with `cap` a number above `high` is lowered to
+    `kind` is int, float, bool, str, "names" (a list, or a comma-separated string), "url" or
+    "mcp_servers" (`engine.tools.mcp_spec`). Numbers must lie in [low, high]; with `cap` a number above `high` is lowered to
     it (with a warning) instead of refused. `choices` limits a str. `None` is always
     allowed and means the default; for a setting whose default is None an empty value
     ("" or an empty list) means None too. `unset` says in words what None means.
@@ -134,6 +134,8 @@ class Setting:
             return "a list of names (or one comma-separated string)"
         if self.kind == "url":
             return "an http:// or https:// URL"
+        if self.kind == "mcp_servers":
+            return "a list of MCP servers, each a command line, an http(s) URL or a mapping (name, command or url, env or headers)"
         what = "a whole number" if self.kind is int else "a number" if self.kind is float else "text"
         if self.low is not None and self.high is not None and not self.cap:
             return f"{what} {'>' if self.above_low else 'from'} {_fmt(self.low)}{' and <=' if self.above_low else ' to'} {_fmt(self.high)}"
@@ -259,7 +261,14 @@ def _str(value: Any) -> str:
     return value
 
 
-_CONVERT: dict[Any, Callable[[Any], Any]] = {int: _int, float: _float, bool: _bool, str: _str, "names": _names, "url": _url}
+def _mcp_servers(value: Any) -> tuple[Any, ...]:
+    from engine.tools.mcp_spec import parse_servers  # the entry's format is the MCP client's to say
+
+    return parse_servers(value)
+
+
+_CONVERT: dict[Any, Callable[[Any], Any]] = {int: _int, float: _float, bool: _bool, str: _str, "names": _names, "url": _url,
+                                             "mcp_servers": _mcp_servers}
 
 DAY = 86400.0
 # The HTTP pool holds one small client per 4 connections: past this many connections the
@@ -298,9 +307,15 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
     Setting("engine_user_sim_model", str, "default", "user_simulator: the model name sent to the chat API"),
     Setting("engine_user_sim_temperature", float, 0.7, "user_simulator: sampling temperature", low=0, high=100),
     Setting("engine_user_sim_max_tokens", int, 256, "user_simulator: tokens per user message", low=1, high=10**6),
-    Setting("engine_mcp_servers", "names", (), "MCP servers whose tools are offered: each a command line (stdio) or an http(s) URL",
+    Setting("engine_mcp_servers", "mcp_servers", (), "MCP servers whose tools are offered: each a command line (stdio), "
+            "an http(s) URL, or a mapping with name, command or url, env or headers (values from the job's environment as ${NAME})",
             flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL",
                       repeatable=True, dest="mcp_servers")),
+    Setting("engine_mcp_list_timeout", float, 30.0, "seconds an MCP server has to start and list its tools when the job starts",
+            low=0, high=DAY, above_low=True),
+    Setting("engine_mcp_failures", str, "unavailable", "an MCP server that cannot answer (down, hung, crashed): end the sample "
+            "untrained (unavailable: tool_unavailable), or show the model an error (observation: coping is part of the task)",
+            choices=("unavailable", "observation")),
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
     Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
     Setting("engine_max_reply_bytes", int, 1 << 30, "bytes one /generate reply may hold; a larger one fails the request", low=1 << 16, high=1 << 40),
@@ -558,7 +573,9 @@ class EngineConfig:
     user_sim_model: str = setting_field("engine_user_sim_model")
     user_sim_temperature: float = setting_field("engine_user_sim_temperature")
     user_sim_max_tokens: int = setting_field("engine_user_sim_max_tokens")
-    mcp_servers: tuple[str, ...] = setting_field("engine_mcp_servers")  # command lines (stdio) or http(s) URLs
+    mcp_servers: tuple[Any, ...] = setting_field("engine_mcp_servers")  # engine.tools.mcp_spec.ServerSpec each
+    mcp_list_timeout: float = setting_field("engine_mcp_list_timeout")
+    mcp_failures: str = setting_field("engine_mcp_failures")
     request_timeout: float = setting_field("engine_request_timeout")
     connect_timeout: float = setting_field("engine_connect_timeout")
     max_reply_bytes: int = setting_field("engine_max_reply_bytes")  # routing replay replies run to 100s of MB

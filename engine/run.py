@@ -219,7 +219,7 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
         from engine.tools import mcp_servers
 
         try:
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+            mcp_servers.register_servers(cfg.mcp_servers, cfg.mcp_list_timeout, cfg.mcp_failures)
         except ValueError as exc:
             raise UsageError(f"{_origin(ns, 'engine_mcp_servers')}: {exc}") from None
     check_environment(ns, cfg)

@@ -126,7 +126,7 @@ class Runtime:
         for module in cfg.tool_modules:
             importlib.import_module(module)
         if cfg.mcp_servers:  # their tools register like a module's, before the machine is built
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+            mcp_servers.register_servers(cfg.mcp_servers, cfg.mcp_list_timeout, cfg.mcp_failures)
         configure_sandbox(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
