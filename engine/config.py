@@ -156,7 +156,9 @@ class Setting:
             return self.default
         try:
             converted = _CONVERT[self.kind](value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError) as exc:
+            if self.kind == "mcp_servers":  # the entry's fault in words, never its values (they may hold a secret)
+                raise SettingsError(f"{self.key}: {exc}") from None
             self.refuse(value)
         if self.default is None and converted == "":
             return None

@@ -1,6 +1,6 @@
 """A small MCP server written with the SDK, for the tests.
 
-    python mcp_server.py [--http PORT] [--pidfile F] [--prefix P] [--ignore-term] [--tag T]
+    python mcp_server.py [--http PORT [--token-env NAME]] [--pidfile F] [--prefix P] [--ignore-term] [--tag T]
 
 Tools: `add` (sum two integers), `slow_echo` (answers after a while; writes the server's pid
 to `--pidfile` first, so a test can kill or stop it mid-call), `freeze` (writes it too, then blocks
@@ -10,7 +10,8 @@ length of the API_KEY it was given, never the key) and `Not-A-State` (a name tha
 state). The SDK refuses to list an invalid input schema; `raw_mcp_server.py` lists some.
 `--prefix` renames the tools, so two servers can be told apart; `--ignore-term` makes it ignore
 SIGTERM (a hung server that only SIGKILL ends); `--tag` only marks its command line, so a test
-can find every process it left.
+can find every process it left. Over HTTP, `--token-env NAME` refuses (401) every request
+without `Authorization: Bearer <the value of NAME>`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -67,6 +69,20 @@ def build(prefix: str, pidfile: str | None) -> MCPServer:
     return server
 
 
+def guarded(app: Any, token: str) -> Any:
+    """`app`, refusing any HTTP request without the bearer token."""
+    expected = f"Bearer {token}".encode()
+
+    async def guard(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != expected:
+            await send({"type": "http.response.start", "status": 401, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"unauthorized"})
+            return
+        await app(scope, receive, send)
+
+    return guard
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int, default=None)
@@ -74,11 +90,17 @@ if __name__ == "__main__":
     parser.add_argument("--prefix", default="")
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--tag", default=None)
+    parser.add_argument("--token-env", default=None)
     ns = parser.parse_args()
     if ns.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     server = build(ns.prefix, ns.pidfile)
-    if ns.http is not None:
+    if ns.http is not None and ns.token_env:
+        import uvicorn
+
+        uvicorn.run(guarded(server.streamable_http_app(), os.environ[ns.token_env]), host="127.0.0.1", port=ns.http,
+                    log_level="warning")
+    elif ns.http is not None:
         server.run("streamable-http", host="127.0.0.1", port=ns.http)
     else:
         server.run()

@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from engine.machine.rollout import Rollout  # noqa: E402
 from engine.tools import mcp_servers  # noqa: E402
 from tests.conftest import run  # noqa: E402
 from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, tok, turn  # noqa: E402
+from tests.support.mcp_http import http_mcp_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -245,30 +245,10 @@ def test_listing_is_bounded_by_its_own_setting(tmp_path):
     assert time.monotonic() - started < 2 + 10  # the listing's limit, plus the close and a loaded machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def http_server() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SUPPORT / "mcp_server.py"), "--http", str(port), "--prefix", "h_"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if proc.poll() is not None:
-                pytest.fail("the HTTP MCP server exited at start")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    with http_mcp_server("--prefix", "h_") as url:
+        yield url
 
 
 def test_the_model_calls_a_tool_of_a_streamable_http_server(http_server):
