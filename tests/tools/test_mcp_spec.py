@@ -72,3 +72,18 @@ def test_a_message_names_a_server_without_its_arguments_or_url_credentials(monke
     assert ServerSpec.parse({"name": "search", "url": "https://h/mcp"}).where == "search"
     monkeypatch.setenv("FSM_SHORT", "1")
     assert ServerSpec.parse({"command": "srv", "env": ["FSM_SHORT"]}).redact("exited with status 1") == "exited with status 1"
+
+
+def test_the_docs_entries_read_as_settings() -> None:
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", page, re.DOTALL) if "headers:" in b)
+    cfg = EngineConfig.from_args(make_args(**yaml.safe_load(block)))
+    assert [s.name for s in cfg.mcp_servers] == ["git", "search", "docs"]
+    assert cfg.mcp_servers[0].env == (("GIT_TOKEN", "${GIT_TOKEN}"),)
+    assert cfg.mcp_servers[1].command == ("npx", "-y", "some-search-server")
+    assert cfg.mcp_servers[2].variables() == ["DOCS_TOKEN"]
