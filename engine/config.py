@@ -287,6 +287,9 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             flag=Flag("--profile", "NAME", SERVER)),
     Setting("engine_tool_parser", str, None, "the chat profile's tool-call format, by SGLang's --tool-call-parser name",
             unset="from the chat template, else hermes", flag=Flag("--tool-parser", "NAME", SERVER)),
+    Setting("engine_reasoning_parser", str, None, "the chat profile's reasoning format, by SGLang's --reasoning-parser name "
+            "(none: no reasoning); a call inside the reasoning is not run",
+            unset="from the chat template, else none", flag=Flag("--reasoning-parser", "NAME", SERVER)),
     Setting("engine_max_turns", int, 16, "model turns per sample", low=1, high=100_000, flag=Flag("--max-turns")),
     Setting("engine_max_tool_calls", int, 16, "tool calls per sample", low=0, high=1_000_000, flag=Flag("--max-tool-calls", group=TOOLS)),
     Setting("engine_max_calls_per_turn", int, 8, "tool calls run per turn (the rest get an error)", low=1, high=10_000),
@@ -558,6 +561,7 @@ class EngineConfig:
                                     default=DEFAULT_SERVER_URL)
     profile: str = setting_field("engine_profile")
     tool_parser: str | None = setting_field("engine_tool_parser")  # the chat profile's tool-call format (SGLang parser name)
+    reasoning_parser: str | None = setting_field("engine_reasoning_parser")  # the chat profile's reasoning format (SGLang name)
     max_turns: int = setting_field("engine_max_turns")
     max_tool_calls: int = setting_field("engine_max_tool_calls")
     max_calls_per_turn: int = setting_field("engine_max_calls_per_turn")

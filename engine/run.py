@@ -9,8 +9,9 @@ is one `error:` line and exit status 2; a tool that cannot work stops the job wi
 With no `--server`, the embedded SGLang-compatible server is started on a free loopback
 port with the shipped demo replay (in the chosen profile's format), and stopped at the end.
 Samples are written as they finish to `OUTPUT.partial`, then put in input order under
-OUTPUT at the end or on Ctrl-C, so OUTPUT is never half-written and what finished is kept.
-The exit status is 1 when every sample, or every tool call, failed.
+OUTPUT at the end, on Ctrl-C or on SIGTERM (Slurm, Kubernetes, `timeout` stop a job so), so
+OUTPUT is never half-written and what finished is kept; the exit status is then 130 or 143.
+Otherwise it is 1 when every sample, or every tool call, failed.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,7 +38,7 @@ from engine.config import (SETTINGS, EngineConfig, SettingsError, flagged_settin
 from engine.local.demos import demo_file, demo_replay
 from engine.local.sample import Sample
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 128 + signal.SIGTERM
 
 # All three made from the one declaration, engine.config.SETTINGS:
 # each flag of `run` (its parsed name) and the key of slime's args (and of the YAML) it sets;
@@ -53,6 +56,28 @@ class UsageError(Exception):
 
 class CannotRun(Exception):
     """The job cannot work as set up (a dead tool, a server that did not start): exit status 1."""
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: the run stops as on Ctrl-C, keeping what finished (exit status 143)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` where the run is (outside the event loop;
+    inside it, `roll_out` cancels its work first). Only the main thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 # -- reading the input ------------------------------------------------------------------------
@@ -108,6 +133,7 @@ class Plan:
     replay: str | None
     tokenizer: Any
     progress: bool
+    tools: tuple[str, ...] = ()  # the tools offered
 
 
 def settings_args(ns: argparse.Namespace) -> argparse.Namespace:
@@ -195,10 +221,12 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
         where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
         raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     try:
-        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser)
+        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser)
     except Exception as exc:
         if cfg.tool_parser is not None and str(exc).startswith("unknown tool parser"):
             raise UsageError(f"{_origin(ns, 'engine_tool_parser')}: {exc}") from None
+        if cfg.reasoning_parser is not None and ("reasoning parser" in str(exc) or "engine_reasoning_parser" in str(exc)):
+            raise UsageError(f"{_origin(ns, 'engine_reasoning_parser')}: {exc}") from None
         raise UsageError(f"{_origin(ns, 'engine_profile')} {cfg.profile}: {exc}") from None
     return tokenizer
 
@@ -295,11 +323,32 @@ def plan_run(ns: argparse.Namespace) -> Plan:
               "max_new_tokens": sampling["rollout_max_response_len"], "no_stop_trim": True,
               "skip_special_tokens": False, "spaces_between_special_tokens": False}
     progress = not ns.no_progress and sys.stderr.isatty()
-    return Plan(cfg, samples, params, ns.output, server, replay, tokenizer, progress)
+    return Plan(cfg, samples, params, ns.output, server, replay, tokenizer, progress, tuple(offered))
 
 
 def _all_keys() -> set[str]:
     return set(SETTINGS)
+
+
+SANDBOXED_TOOLS = ("code_interpreter", "python_session")  # the built-in tools that run model code in the sandbox
+
+
+def sandbox_line(plan: Plan) -> str | None:
+    """Which sandbox mode the run's model code gets, in one line (None when no offered tool runs code).
+
+    The preflight has probed the sandbox already (cached): this reads its answer, runs nothing.
+    """
+    if not set(SANDBOXED_TOOLS) & set(plan.tools):
+        return None
+    if plan.cfg.sandbox_backend != "local":
+        return f"sandbox: model code runs on the {plan.cfg.sandbox_backend} backend's workers (engine_sandbox_backend)"
+    from engine.sandbox import probe_sync
+
+    isolation = probe_sync().isolation
+    layers = [name for name, on in (("Landlock", isolation.get("landlock")), ("seccomp", isolation.get("seccomp"))) if on]
+    held = "; not held here: " + "; ".join(isolation["cannot_hold"]) if isolation.get("cannot_hold") else ""
+    return (f"sandbox: {isolation.get('mode', 'mode unknown')}, with {' and '.join(layers) or 'no Landlock or seccomp'}"
+            f"{held} (docs/sandbox-modes.md)")
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -382,8 +431,12 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
             if sample.status is not Sample.Status.PENDING:
                 emit(sample)  # a bad input line: recorded, not rolled out
         tasks = [asyncio.create_task(one(s)) for s in plan.samples if s.status is Sample.Status.PENDING]
+        terminated, before = _cancel_on_sigterm()
         try:
             await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            if not terminated:
+                raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -391,7 +444,35 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
             await rt.aclose()
             if bar is not None:
                 bar.close()
+            _restore_sigterm(before)
+        if terminated:
+            raise Terminated()
     return int(rt.client.retries_spent)
+
+
+def _cancel_on_sigterm() -> tuple[list[int], Any]:
+    """On SIGTERM, cancel the running rollout (its samples end as on Ctrl-C): the list says it came;
+    with the handler it replaced, for `_restore_sigterm`."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        return came, None
+    task = asyncio.current_task()
+    assert task is not None
+
+    def stop() -> None:
+        came.append(signal.SIGTERM)
+        task.cancel()
+
+    before = signal.getsignal(signal.SIGTERM)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
+    return came, before
+
+
+def _restore_sigterm(before: Any) -> None:
+    """Put back the handler the loop's replaced (removing the loop's own leaves SIGTERM at its default)."""
+    if threading.current_thread() is threading.main_thread():
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 
 
 def finish_output(partial: str, output: str) -> list[dict[str, Any]]:
@@ -417,8 +498,17 @@ def main_run(ns: argparse.Namespace) -> int:
     except CannotRun as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    line = sandbox_line(plan)
+    if line:
+        print(line, file=sys.stderr)
+    with sigterm_as_interrupt():
+        return _run_planned(plan)
+
+
+def _run_planned(plan: Plan) -> int:
     partial = plan.output + ".partial"
-    interrupted, retries = False, None
+    interrupted: int | None = None  # the exit status of an interrupted run
+    retries = None
     started = time.perf_counter()
     try:
         with embedded_server(plan) as url:
@@ -434,28 +524,35 @@ def main_run(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:  # Ctrl-C: keep what finished, under the final name
-        interrupted = True
+        interrupted = EXIT_INTERRUPTED
+    except Terminated:  # SIGTERM: the same
+        interrupted = EXIT_TERMINATED
     wall = time.perf_counter() - started
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # writing OUTPUT takes moments: a second SIGTERM waits
+    if interrupted == EXIT_TERMINATED:
+        print("terminated (SIGTERM): keeping the samples that finished", file=sys.stderr)
     if os.path.exists(partial) and os.path.getsize(partial) == 0:
-        os.remove(partial)  # opened, but nothing finished before Ctrl-C
+        os.remove(partial)  # opened, but nothing finished before the interruption
     if not os.path.exists(partial):
         print("interrupted before any sample finished: nothing written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted or EXIT_INTERRUPTED
     done = finish_output(partial, plan.output)
     return report(done, plan, wall, retries, interrupted)
 
 
-def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | None, interrupted: bool) -> int:
-    """Print the summary; the exit status says whether the batch as a whole failed."""
+def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | None, interrupted: int | None) -> int:
+    """Print the summary; the exit status says whether the batch as a whole failed (or how it was stopped)."""
     from engine.profiles.tokenizer import Codec
     from engine.trace.summary import batch_failure, format_summary, summarize
 
     summary = summarize(done, wall_seconds=wall, decode=Codec(plan.tokenizer).decode, retries=retries)
     print(format_summary(summary))
-    note = " (interrupted: the rest were not run)" if interrupted else ""
+    how = {EXIT_INTERRUPTED: "interrupted", EXIT_TERMINATED: "terminated by SIGTERM"}.get(interrupted or 0)
+    note = f" ({how}: the rest were not run)" if how else ""
     print(f"\nwrote {len(done)} sample(s) to {plan.output}{note}")
-    if interrupted:
-        return EXIT_INTERRUPTED
+    if interrupted is not None:
+        return interrupted
     failure = batch_failure(summary)
     if failure:
         print(f"error: {failure}", file=sys.stderr)

@@ -21,11 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine",)
 
 
-def test_a_slime_job_imports_no_torch_aiohttp_pygraphviz_nor_the_local_or_trace_packages() -> None:
+def test_a_slime_job_imports_no_torch_aiohttp_pygraphviz_nor_the_local_or_trace_packages_nor_the_agent_door() -> None:
     code = (
         "import json, sys; import engine.slime; "
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'aiohttp', 'pygraphviz') "
-        "or m.startswith(('engine.local', 'engine.trace')))))"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'aiohttp', 'pygraphviz', 'openai', 'anthropic') "
+        "or m.startswith(('engine.local', 'engine.trace', 'engine.agent.app', 'engine.agent.chat', "
+        "'engine.agent.responses', 'engine.agent.messages', 'engine.agent.shapes')))))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -181,3 +183,17 @@ def test_a_name_that_cannot_form_a_state_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="tool name must be lowercase letters"):
         tools.register(tool)
     assert name not in tools.names()
+
+
+# A dependency's private name is read in one compat module, which says which versions it was checked with.
+PRIVATE_NAMES = {
+    "ray._private": "engine/local/ray_compat.py",
+    "_instances": "engine/slime/compat.py",  # slime's singleton registry
+}
+
+
+@pytest.mark.parametrize("name, home", sorted(PRIVATE_NAMES.items()))
+def test_a_private_name_of_a_dependency_lives_in_its_compat_module_alone(name: str, home: str) -> None:
+    found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("*.py")
+                   if name in p.read_text(encoding="utf-8"))
+    assert found == [home]

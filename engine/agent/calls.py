@@ -74,6 +74,10 @@ class ModelCall:
     (`max_new_tokens`, ...). `retry_of` identifies a retry of an earlier request (the SDKs'
     `x-stainless-retry-count` > 0, with a digest of the body): it is answered with that request's
     answer, never a second turn. `protocol` names the door it came through, for records and errors.
+    `tool_choice` is what the harness asked of the tools (the door checked that a named tool is
+    offered; nothing enforces it on the sampled turn). Call ids in `messages` are the session's own:
+    the door writes a session id `X` as the protocol's `call_X` / `toolu_X` and strips that prefix
+    from the ids a harness sends back.
     """
 
     messages: tuple[Message, ...]
@@ -83,6 +87,7 @@ class ModelCall:
     model: str = ""
     retry_of: str | None = None
     digest: str = ""  # a digest of the request body: what a retry must repeat
+    tool_choice: str = "auto"  # "auto", "none", "required", or the name of the one tool the harness asked for
 
 
 @attrs.frozen

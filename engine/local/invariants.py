@@ -4,7 +4,8 @@ The engine checks its own `Trajectory` after every transition; this module check
 trainer receives instead (the sample's `tokens`, `loss_mask`, `rollout_log_probs`, `response`,
 status and metadata), with nothing but the prompt's ids, the budget, a decode function and,
 when known, the replies the server sent. It shares no code with the engine's own checks, so
-a bug there cannot hide itself here. Used by `python -m engine soak` and the property tests.
+a bug there cannot hide itself here; only the vocabulary (the terminal states, which reason
+ends in which status) is read from the machine's definition. Used by `python -m engine soak` and the property tests.
 """
 
 from __future__ import annotations
@@ -13,38 +14,19 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-TERMINALS = frozenset({"COMPLETED", "TRUNCATED", "ABORTED", "FAILED"})
+from engine.machine.states import TERMINALS
+from engine.machine.table import MachineSpec
 
-# Termination reason -> the status it must end in (I6). Written out rather than read from the
-# machine table, so that a row moved to another terminal fails loudly here.
-REASON_STATUS: dict[str, str] = {
-    "answered": "COMPLETED",
-    "prompt_over_budget": "TRUNCATED",
-    "tool_unavailable": "FAILED",
-    "context_full": "TRUNCATED",
-    "no_new_tokens_asked": "TRUNCATED",
-    "max_turns_reached": "TRUNCATED",
-    "reply_over_budget": "TRUNCATED",  # via TRIM
-    "observation_over_budget": "TRUNCATED",  # via TRIM
-    "finished_length": "TRUNCATED",
-    "tool_calls_exhausted": "TRUNCATED",
-    "context_rejected": "TRUNCATED",
-    "reply_malformed": "ABORTED",
-    "logprobs_missing": "ABORTED",
-    "logprobs_mismatch": "ABORTED",
-    "logprobs_invalid": "ABORTED",  # a logprob that is not finite and <= 0
-    "ids_out_of_vocab": "ABORTED",  # an id that is not an integer inside the vocabulary
-    "server_aborted": "ABORTED",
-    "top_p_replay_dropped": "ABORTED",
-    "request_failed": "ABORTED",
-    "abort_requested": "ABORTED",  # slime's abort flag, seen between turns
-    "request_rejected": "FAILED",
-    "top_p_replay_missing": "ABORTED",  # top-p replay asked for (custom_params), not sent
-    "routed_experts_mismatch": "ABORTED",  # routing replay rows missing or not one per token
+# Termination reason -> the status it must end in (I6): every reason an edge of the machine
+# records, read from its table (a new state's reasons need no edit here), and the reasons set
+# outside the machine, by the attempts policy and the adapter, written out.
+OUTSIDE_REASONS: dict[str, str] = {
     "attempts_exhausted": "FAILED",  # no attempt finished (engine.loop.attempts); remove_sample
     "bad_sample_input": "FAILED",  # never reached the machine: prompt, tools or sampling params unusable
     "engine_setup_failed": "FAILED",  # never reached the machine: settings or tokenizer unusable
 }
+# A stand-in tool name: every tool's state adds the same reasons (`tool_unavailable`).
+REASON_STATUS: dict[str, str] = {**MachineSpec.from_registry(tool_names=("any",)).reason_statuses(), **OUTSIDE_REASONS}
 # Reasons of samples that never reached the machine: no trace.
 UNROLLED_REASONS = frozenset({"bad_sample_input", "engine_setup_failed"})
 # A sample no attempt finished ends FAILED, its trace (the last attempt's) at ABORTED.

@@ -1,11 +1,14 @@
 """The per-sample loop: do a state's I/O, fire the trigger it yields, repeat until terminal.
 
-A state that needs no I/O fires the trigger its definition names (`StateDef.fires`) at
-once. The others have a step here: a coroutine that awaits what the state needs (an
-HTTP reply, tool results), stores it in the rollout's turn scratch, and names the
-trigger. The machine then picks the edge by its guards. Nothing raised in a step
-escapes: an error fires `crashed`, a cancellation fires `cancelled` (and is re-raised), a
-broken invariant fires `invariant_violated`.
+What a state does is written in its definition (`StateDef.does`, engine/machine/states.py):
+a trigger fired at once when the state needs no I/O, or a `Step` named there and defined
+here (`@step("name")`): a coroutine that awaits what the state needs (an HTTP reply, tool
+results), stores it in the rollout's turn scratch, and names the trigger. The machine then
+picks the edge by its guards. The first time a machine is driven its states are bound to
+these steps (`MachineSpec.bind`): a step the definition names and this module lacks is one
+error naming the state, before any sample moves. Nothing raised in a step escapes: an
+error fires `crashed`, a cancellation fires `cancelled` (and is re-raised), a broken
+invariant fires `invariant_violated`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,12 +27,27 @@ from engine.config import log_once
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint
 from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
-from engine.machine.states import TERMINALS, State, Trigger
-from engine.machine.table import RolloutMachine, get_machine
+from engine.machine.states import STATES, TERMINALS, TOOL_STEP, State, Trigger
+from engine.machine.table import MachineDefinitionError, RolloutMachine, get_machine, tool_of
 from engine.machine.trajectory import InvariantViolation
 from engine.sglang.wire import Failure, Reply, require_routed_experts, require_top_p, top_p_asked
 
 StateStep = Callable[[Runtime, Rollout], Awaitable[str]]
+STEPS: dict[str, StateStep] = {}
+"""The loop's steps by the name a state's definition gives (`Step(name)`)."""
+
+
+def step(name: str) -> Callable[[StateStep], StateStep]:
+    """Register the decorated coroutine as the step named `name` (a state's `Step(name)` runs it)."""
+
+    def register(fn: StateStep) -> StateStep:
+        if name in STEPS:
+            raise ValueError(f"two steps named {name!r}: {STEPS[name].__qualname__} and {fn.__qualname__}")
+        STEPS[name] = fn
+        return fn
+
+    return register
+
 FAILURE_TRIGGERS = {
     "context_exceeded": Trigger.CONTEXT_REJECTED,
     "rejected": Trigger.REQUEST_REJECTED,
@@ -40,6 +59,7 @@ class NoEdge(RuntimeError):
     """No guard of a trigger held: the table is incomplete. A bug, recorded as a crash."""
 
 
+@step("reset")
 async def step_reset(rt: Runtime, r: Rollout) -> str:
     """Render the prompt; with a partial-rollout checkpoint, validate it against the prompt."""
     r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools, r.inputs.tool_schemas)
@@ -58,6 +78,7 @@ async def step_reset(rt: Runtime, r: Rollout) -> str:
     return Trigger.RESUME
 
 
+@step("generate")
 async def step_generate(rt: Runtime, r: Rollout) -> str:
     """One `/generate` request; the reply's text is decoded once and parsed."""
     started = time.perf_counter()
@@ -99,6 +120,7 @@ def check_reply(r: Rollout, reply: Reply, input_length: int, experts_start: int 
     return reply
 
 
+@step("tool_call")
 async def step_tool_call(rt: Runtime, r: Rollout) -> str:
     """Hand planned calls to their tools' states; once all are answered, build the observation."""
     if r.turn.pending_calls:
@@ -116,8 +138,10 @@ async def step_tool_call(rt: Runtime, r: Rollout) -> str:
     return Trigger.OBSERVE
 
 
-async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
-    """A tool state's step: run every waiting call to this tool, concurrently."""
+@step("tool_calls")
+async def run_tool_calls(rt: Runtime, r: Rollout) -> str:
+    """A tool state's step: run every waiting call to this state's tool, concurrently."""
+    name = tool_of(r.state)
     mine = [c for c in r.turn.pending_calls if c.name == name]
     r.turn.pending_calls = [c for c in r.turn.pending_calls if c.name != name]
     tool = tools.get(name)
@@ -152,6 +176,7 @@ async def run_tool_calls(rt: Runtime, r: Rollout, name: str) -> str:
     return Trigger.TOOL_DONE
 
 
+@step("environment")
 async def step_environment(rt: Runtime, r: Rollout) -> str:
     """The environment answers the model's turn; its reply becomes the next user turn's ids.
 
@@ -221,14 +246,6 @@ def _wake(woken: asyncio.Future[None], _: object) -> None:
         woken.set_result(None)
 
 
-STEPS: dict[str, StateStep] = {
-    State.RESET: step_reset,
-    State.GENERATE: step_generate,
-    State.TOOL_CALL: step_tool_call,
-    State.ENVIRONMENT: step_environment,
-}
-
-
 def _fire(machine: RolloutMachine, r: Rollout, trigger: str) -> None:
     if not machine.fire(r, trigger):
         raise NoEdge(f"no edge of {trigger!r} from {r.state} has a guard that holds")
@@ -247,15 +264,28 @@ def _fire_fault(machine: RolloutMachine, r: Rollout, trigger: str) -> None:
         r.record.reason = r.record.reason or f"{trigger}_failed"
 
 
+_BOUND: weakref.WeakKeyDictionary[RolloutMachine, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def behaviours(machine: RolloutMachine) -> dict[str, Any]:
+    """Each non-terminal state of `machine` bound to what it does: its trigger, or its step here.
+
+    Bound once per machine, the first time it is driven: a state whose step this module lacks
+    raises `MachineDefinitionError` naming it (recorded as the sample's crash, never raised
+    into the caller). The built-in states' steps are checked as this module is imported.
+    """
+    bound = _BOUND.get(machine)
+    if bound is None:
+        bound = _BOUND[machine] = machine.spec.bind(STEPS)
+    return bound
+
+
 async def _next_trigger(rt: Runtime, r: Rollout, machine: RolloutMachine) -> str:
     """The trigger of `r`'s state: the one its definition fires at once, or its step's."""
-    definition = machine.spec.defs[r.state]
-    if definition.fires is not None:
-        return definition.fires
-    tool_name = machine.spec.tool_states.get(r.state)
-    if tool_name is not None:
-        return await run_tool_calls(rt, r, tool_name)
-    return await STEPS[r.state](rt, r)
+    does = behaviours(machine)[r.state]
+    if isinstance(does, str):  # a Trigger: no I/O to do
+        return does
+    return await does(rt, r)
 
 
 async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) -> Rollout:
@@ -379,3 +409,14 @@ def new_rollout(
         metadata=metadata,
     )
     return Rollout(inputs)
+
+
+def _check_builtin_steps() -> None:
+    """Every step the built-in states name is defined here: checked on import, not mid-sample."""
+    named = {d.step: d.name for d in STATES if d.step is not None} | {TOOL_STEP.name: "TOOL_<NAME>"}
+    missing = [f"{state} runs the step {name!r}" for name, state in named.items() if name not in STEPS]
+    if missing:
+        raise MachineDefinitionError("the loop defines no step for: " + "; ".join(missing))
+
+
+_check_builtin_steps()

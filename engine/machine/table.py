@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
 from transitions import Machine, MachineError
@@ -41,11 +41,13 @@ from engine.machine import actions, guards
 from engine.machine.actions import Action
 from engine.machine.guards import Guard, otherwise
 from engine.machine.rollout import Rollout
-from engine.machine.states import BY_NAME, STATES, TERMINALS, State, StateDef, Trigger
+from engine.machine.states import BY_NAME, STATES, TERMINALS, TOOL_STEP, State, StateDef, Trigger
 from engine.machine.trajectory import InvariantViolation
+from engine.sglang.wire import PROBLEMS
 
 logging.getLogger("transitions").setLevel(logging.WARNING)  # 4 log lines per edge otherwise
 S, T = State, Trigger
+StepT = TypeVar("StepT")
 
 
 @attrs.frozen
@@ -57,6 +59,7 @@ class Edge:
     dest: str = attrs.field(converter=str)
     guard: Guard | None = None
     actions: tuple[Action, ...] = ()
+    records: tuple[str, ...] = ()  # reasons an action here records in place of the guard's name
 
     @property
     def guard_name(self) -> str | None:
@@ -81,13 +84,20 @@ def tool_state(name: str) -> str:
     return f"TOOL_{name.upper()}"
 
 
+def tool_of(state: str) -> str:
+    """The tool whose calls `state` runs (tool names are lowercase, so the state name gives it back)."""
+    if not state.startswith("TOOL_") or state in _CORE_NAMES:
+        raise ValueError(f"{state} is not a tool's state")
+    return state[len("TOOL_"):].lower()
+
+
 def core_edges() -> list[Edge]:
     """The machine, as a table. Tools' edges are added by `tool_edges`, fault edges by `fault_edges`."""
     g, a = guards, actions
     E = Edge
     # fmt: off
     return [
-        # source          trigger               dest            guard                       actions
+        # source          trigger               dest            guard                       actions (, reasons its actions record instead)
         E(S.RESET,        T.START,              S.BUDGET_CHECK, None,                       (a.reset_rollout,)),
         E(S.RESET,        T.RESUME,             S.RESUME,       g.checkpoint_valid,         (a.restore_checkpoint,)),
         E(S.RESET,        T.RESUME,             S.BUDGET_CHECK, otherwise,                  (a.reset_rollout,)),
@@ -99,7 +109,7 @@ def core_edges() -> list[Edge]:
         E(S.BUDGET_CHECK, T.CHECK,              S.TRUNCATED,    g.no_new_tokens_asked),
         E(S.BUDGET_CHECK, T.CHECK,              S.TRUNCATED,    g.max_turns_reached),
         E(S.BUDGET_CHECK, T.CHECK,              S.GENERATE,     otherwise,                  (a.clamp_max_new_tokens,)),
-        E(S.GENERATE,     T.REPLY,              S.ABORTED,      g.reply_unusable,           (a.record_unusable_reply,)),
+        E(S.GENERATE,     T.REPLY,              S.ABORTED,      g.reply_unusable,           (a.record_unusable_reply,), PROBLEMS),
         E(S.GENERATE,     T.REPLY,              S.ABORTED,      g.top_p_replay_dropped,     (a.record_unusable_reply,)),
         E(S.GENERATE,     T.REPLY,              S.TRIM,         g.reply_over_budget,        (a.append_model_turn,)),
         E(S.GENERATE,     T.REPLY,              S.ABORTED,      g.server_aborted,           (a.append_model_turn,)),
@@ -155,6 +165,8 @@ def fault_edges(states: list[str], awaiting: set[str]) -> list[Edge]:
     return edges
 
 
+# Every trigger `fault_edges` can add, read from it rather than listed.
+FAULT_TRIGGERS = frozenset(e.trigger for e in fault_edges(["S"], {"S"}))
 _CORE_NAMES = {d.name for d in STATES}
 
 
@@ -173,21 +185,51 @@ def check_tool_name(name: str) -> None:
 tools.registry.add_name_check(check_tool_name)
 
 
+class MachineDefinitionError(ValueError):
+    """The definition cannot run: a state without its behaviour, a step the loop lacks, an edge to nowhere."""
+
+
 @attrs.frozen
 class MachineSpec:
-    """The whole definition: states in drawing order with their definitions, and every edge."""
+    """The whole definition: states in drawing order with their definitions, and every edge.
+
+    Checked when built: every edge joins two states of the spec, and a state that fires a
+    trigger at once has a row of that trigger whose last row always holds (so firing it can
+    never find no edge). `bind` checks the loop's steps against it.
+    """
 
     states: tuple[str, ...]
     edges: tuple[Edge, ...]
     tool_states: dict[str, str]  # state -> tool name
     defs: dict[str, StateDef]
 
+    def __attrs_post_init__(self) -> None:
+        problems = [f"state {s} has no definition" for s in self.states if s not in self.defs]
+        known = set(self.states)
+        problems += [f"edge {e.source} --{e.trigger}--> {e.dest} joins a state the machine does not have"
+                     for e in self.edges if e.source not in known or e.dest not in known]
+        rows: dict[tuple[str, str], list[Edge]] = {}
+        for e in self.edges:
+            rows.setdefault((e.source, e.trigger), []).append(e)
+        for s in self.states:
+            fires = self.defs[s].fires if s in self.defs else None
+            if fires is None:
+                continue
+            group = rows.get((s, str(fires)))
+            if not group:
+                problems.append(f"state {s} fires {fires} at once, but no edge of {fires} leaves it")
+            elif group[-1].guard not in (None, otherwise):
+                problems.append(f"state {s} fires {fires} at once, but its last row of {fires} has a guard "
+                                f"({group[-1].guard_name}): end the group with `otherwise`")
+        if problems:
+            raise MachineDefinitionError("the machine's definition cannot run:\n  " + "\n  ".join(problems))
+
     @classmethod
     def from_registry(cls, tool_names: tuple[str, ...] | None = None) -> MachineSpec:
         names = tools.names() if tool_names is None else tool_names
         tool_states = {tool_state(n): n for n in names}
-        tool_defs = [StateDef(s, "tool", f"runs the turn's waiting calls to the `{n}` tool concurrently, then back to TOOL_CALL", awaits=True)
-                     for s, n in tool_states.items()]
+        legend = "runs the turn's waiting calls to the `{}` tool concurrently, then back to TOOL_CALL"
+        tool_defs = [StateDef(s, "tool", legend.format(n), TOOL_STEP) for s, n in tool_states.items()]
         core = [d for d in STATES if d.kind == "core"]
         ordered = [*core[: core.index(BY_NAME[State.TOOL_CALL]) + 1], *tool_defs,
                    *core[core.index(BY_NAME[State.TOOL_CALL]) + 1:], *(d for d in STATES if d.kind == "terminal")]
@@ -206,6 +248,61 @@ class MachineSpec:
     def triples(self) -> set[tuple[str, str, str]]:
         """Every (source, trigger, dest) the machine can take."""
         return {(str(e.source), str(e.trigger), str(e.dest)) for e in self.edges}
+
+    def bind(self, steps: Mapping[str, StepT]) -> dict[str, Trigger | StepT]:
+        """Each non-terminal state's behaviour, resolved: the trigger it fires, or its step from `steps`.
+
+        `steps` are the loop's, by name (opaque here: the machine never runs them). A state
+        naming a step that `steps` lacks is refused, with every such state named at once.
+        """
+        bound: dict[str, Trigger | StepT] = {}
+        missing: list[str] = []
+        for s in self.states:
+            d = self.defs[s]
+            if d.fires is not None:
+                bound[s] = d.fires
+            elif d.step is not None:
+                if d.step in steps:
+                    bound[s] = steps[d.step]
+                else:
+                    missing.append(f"state {s} runs the step {d.step!r}, which the loop does not define")
+        if missing:
+            raise MachineDefinitionError("\n  ".join(["the loop cannot drive this machine:", *missing,
+                                                        f"(the loop's steps: {', '.join(sorted(steps))})"]))
+        return bound
+
+    def reason_statuses(self) -> dict[str, str]:
+        """Every termination reason an edge can record, and the terminal status it ends in.
+
+        An edge into TRIM records its reason on the way to TRUNCATED, so a reason recorded on
+        the way to a non-terminal state ends where that state's edges (fault edges aside) all
+        lead. An edge with `records` (reasons an action writes in place of the guard's name: the
+        reply's own problem) ends with those instead of its guard's name.
+        """
+        # States a sample can reach with no reason recorded yet: only edges leaving them can
+        # record one (TRIM is entered by edges that record theirs, so `trim` is never recorded),
+        # except `invariant_violated`, whose reason replaces any other.
+        open_states, frontier = {str(State.RESET)}, [str(State.RESET)]
+        while frontier:
+            here = frontier.pop()
+            for e in self.edges:
+                if e.source == here and e.reason is None and e.dest not in open_states:
+                    open_states.add(e.dest)
+                    frontier.append(e.dest)
+        out: dict[str, str] = {}
+        for e in self.edges:
+            if e.reason is None or (e.source not in open_states and e.trigger != Trigger.INVARIANT_VIOLATED):
+                continue
+            ends = {e.dest} if e.dest in TERMINALS else {
+                x.dest for x in self.edges if x.source == e.dest and x.trigger not in FAULT_TRIGGERS}
+            if len(ends) != 1 or not ends <= TERMINALS:
+                raise MachineDefinitionError(
+                    f"the reason {e.reason!r} ({e.source} -> {e.dest}) leads to no one terminal: {sorted(ends)}")
+            (status,) = ends
+            for reason in e.records or (e.reason,):
+                if out.setdefault(reason, status) != status:
+                    raise MachineDefinitionError(f"the reason {reason!r} ends in both {out[reason]} and {status}")
+        return out
 
 
 def _after_edge(edge: Edge) -> Callable[[Rollout], None]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import weakref
 from typing import Any
@@ -28,6 +27,7 @@ from engine.loop.preflight import log_tool_problems
 from engine.loop.runtime import Runtime
 from engine.machine.rollout import Rollout
 from engine.profiles.reward import retool_score
+from engine.slime import compat
 from engine.slime.dashboard import log_rollout  # noqa: F401  (slime loads it by this path)
 from engine.slime.sample_io import (
     ADAPTER_CRASHED,
@@ -217,12 +217,7 @@ def _own_text(sample: Any, fsm: dict[str, Any]) -> str:
 def slime_aborting() -> bool:
     """True while slime's rollout is aborting the step (its `GenerateState` singleton says so).
 
-    A dict lookup when slime is not loaded; handed to the runtime as its abort check.
+    A dict lookup when slime is not loaded; handed to the runtime as its abort check. The one
+    private name of slime it needs is read in `engine.slime.compat`.
     """
-    module = sys.modules.get("slime.rollout.sglang_rollout")
-    if module is None:
-        return False
-    cls = getattr(module, "GenerateState", None)
-    instances = getattr(type(cls), "_instances", None) if cls is not None else None
-    state = instances.get(cls) if isinstance(instances, dict) else None
-    return bool(getattr(state, "aborted", False))
+    return compat.aborting()

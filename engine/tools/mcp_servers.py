@@ -1,4 +1,4 @@
-"""Tools served by MCP servers, through the official `mcp` SDK (`pip install 'fsm-rollout-engine[mcp]'`).
+"""Tools served by MCP servers, through the official `mcp` SDK (the `mcp` extra: `pip install -e '.[mcp]'` in the checkout).
 
     engine_mcp_servers:
       - python my_server.py --flag      # a command line: the server speaks MCP over its stdin/stdout
@@ -39,6 +39,15 @@ from engine.tools.registry import _NAME, Tool, ToolError, ToolResult, ToolUnavai
 
 log = logging.getLogger(__name__)
 FAILURES = ("unavailable", "observation")  # what a server that cannot answer means (engine_mcp_failures)
+
+
+def _sdk() -> Any:
+    try:
+        import mcp
+    except ImportError:
+        raise ValueError("engine_mcp_servers needs the MCP SDK: pip install 'mcp>=2,<3' "
+                         "(or, in the engine's checkout, pip install -e '.[mcp]')") from None
+    return mcp
 
 
 def describe(name: str) -> str:
@@ -138,6 +147,7 @@ async def list_server(spec: ServerSpec, timeout: float) -> Listing:
 
     Raises ValueError naming the server (never its command line, URL or secrets) when it cannot.
     """
+    _sdk()
     missing = spec.missing()
     if missing:
         raise ValueError(f"{describe(spec.where)}: its env or headers name {', '.join(missing)}, "

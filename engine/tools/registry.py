@@ -237,11 +237,28 @@ def register(tool: Tool, *, replace: bool = False) -> Tool:
         raise ValueError(f"tool name must be lowercase letters, digits and _, starting with a letter; got {name!r}")
     for check in _name_checks:
         check(name)
+    _check_async(tool)
     if name in _REGISTRY and not replace and _REGISTRY[name] is not tool:
         raise ValueError(f"a tool named {name!r} is already registered")
     _REGISTRY[name] = tool
     _version += 1
     return tool
+
+
+_ASYNC_METHODS = ("create", "execute", "release")  # the engine awaits each of them
+
+
+def _check_async(tool: Tool) -> None:
+    """Refuse a tool whose `create`, `execute` or `release` is a plain `def`: awaited, it would fail
+    every sample that calls the tool with "object ... can't be used in 'await' expression"."""
+    for method in _ASYNC_METHODS:
+        fn = getattr(tool, method, None)
+        if fn is None:
+            raise TypeError(f"tool {tool.name!r} has no {method}() method")
+        plain = inspect.isfunction(fn) or inspect.ismethod(fn)  # a def of Python's; not a mock or other callable
+        if plain and not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"tool {tool.name!r}: {method}() must be `async def` (the engine awaits it); "
+                            f"it is a plain def in {type(tool).__qualname__}")
 
 
 def unregister(name: str) -> None:

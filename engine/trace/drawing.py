@@ -19,12 +19,10 @@ from typing import Any
 import attrs
 
 from engine.machine.states import TERMINALS, State
-from engine.machine.table import MachineSpec, fault_edges
+from engine.machine.table import FAULT_TRIGGERS, MachineSpec
 from engine.trace.paths import EdgeKey, Overlay, edge_key
 
 ANY = "ANY"  # the pseudo-state the compact drawing folds the fault edges into
-# Every trigger `fault_edges` can add, read from the definition rather than listed here.
-FAULT_TRIGGERS = frozenset(e.trigger for e in fault_edges(["S"], {"S"}))
 
 
 @attrs.frozen
@@ -185,7 +183,7 @@ def _dot_items(spec: MachineSpec, overlay: Overlay | None, compact: bool) -> _It
     return graph, nodes, edges
 
 
-DIAGRAMS_EXTRA = "pip install 'fsm-rollout-engine[diagrams]'"
+DIAGRAMS_EXTRA = "pip install pygraphviz (or, in the engine's checkout, pip install -e '.[diagrams]')"
 
 
 class SvgUnavailable(ImportError):

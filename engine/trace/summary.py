@@ -114,10 +114,25 @@ def failed_answers(summary: dict[str, Any]) -> int:
 
 
 def warnings(summary: dict[str, Any]) -> list[str]:
-    """Sentences for the reader: most calls of a tool failed the same way.
+    """Sentences for the reader: most calls of a tool failed the same way (per tool when the turn
+    records say which call got which error; else over all calls); many answers hold another
+    format's tool call (the tool parser does not match the model)."""
+    return _tool_warnings(summary) + _foreign_warnings(summary)
 
-    Per tool when the turn records say which call got which error; else over all calls.
-    """
+
+def _foreign_warnings(summary: dict[str, Any]) -> list[str]:
+    """Many answers holding another format's call: the tool parser likely does not match the model."""
+    foreign: Counter[str] = summary.get("foreign_format_answers") or Counter()
+    total, samples = sum(foreign.values()), summary["samples"]
+    if not total or 4 * total < samples:  # a stray one is the model's; a quarter of the samples is the setup
+        return []
+    family = foreign.most_common(1)[0][0]
+    return [f"{total} answer(s) in {samples} samples hold what reads as a {family} tool call, which the configured "
+            f"tool parser does not read: they were taken as answers and no tool ran; if the model writes its "
+            f"calls that way, run with --tool-parser {family} (engine_tool_parser)"]
+
+
+def _tool_warnings(summary: dict[str, Any]) -> list[str]:
     per_tool = summary.get("per_tool") or Counter()
     if per_tool:
         return _per_tool_warnings(summary, per_tool)

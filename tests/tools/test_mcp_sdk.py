@@ -3,7 +3,7 @@
 The engine's MCP client (engine/tools/mcp_*.py) names nothing private of the SDK (nor of anyio
 or httpx2, which it reaches through the SDK): no `_module`, no `_name`, no attribute fetched by a
 string starting with `_`. What it does use is pinned here, name by name, for the range the
-pyproject allows; `tests/tools/mcp_versions.sh` runs the MCP tests against each minor release.
+pyproject allows; `tools/mcp_versions.sh` runs the MCP tests against each minor release.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import respx
 
-pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'fsm-rollout-engine[mcp]')")
+pytest.importorskip("mcp", reason="the MCP SDK is not installed (the mcp extra)")
 
 from engine import slime, tools  # noqa: E402
 from engine.config import EngineConfig, RetryPolicy  # noqa: E402
