@@ -104,6 +104,8 @@ class Life:
                     deadline.reschedule(loop.time() + CLOSE_SECONDS)
         except BaseException as exc:  # it could not start, or not close in time: whoever waits hears why
             if not self.ready.done():
+                if self.process is not None and isinstance(exc, Exception):
+                    await self.process.exited(EXIT_SECONDS)  # to say how it ended, when it did
                 self.ready.set_exception(self._start_failure(exc, start_seconds))
                 self.ready.exception()  # retrieved: nobody may be waiting any more
             else:

@@ -7,8 +7,8 @@
         command: npx -y search-server
         env: {API_KEY: "${SEARCH_KEY}"} # taken from the job's environment by name (`mcp_spec`)
 
-At start each server's tools are listed (`register_servers`, within `engine_mcp_list_timeout`)
-and registered under their own names, so each gets its state (`TOOL_<NAME>`) like any tool,
+At start the servers are listed at once (`register_servers`, each within `engine_mcp_list_timeout`)
+and their tools registered under their own names, so each gets its state (`TOOL_<NAME>`) like any tool,
 and the model is offered their schemas. A name taken by another tool, or by another server's
 tool, is one error naming both. A tool whose name cannot be a state, or whose input schema is
 not a JSON object schema, is skipped with one warning.
@@ -170,26 +170,37 @@ _lock = threading.Lock()
 def register_servers(specs: Any, list_timeout: float, failures: str = "unavailable") -> list[str]:
     """List each server's tools (once per process) and register them; returns every name registered.
 
-    `specs`: `engine_mcp_servers` entries (ServerSpecs, command lines, URLs or mappings). A
-    server has `list_timeout` seconds to start and list its tools. Blocking: the listing runs
-    on an event loop of its own in a worker thread, so it may be called from inside a running
-    loop (the runtime is built there). Raises ValueError for a server that cannot be listed
-    and for a name another tool (or server) already has.
+    `specs`: `engine_mcp_servers` entries (ServerSpecs, command lines, URLs or mappings). The
+    servers are listed at once, each with `list_timeout` seconds to start and list its tools.
+    Blocking: the listing runs on an event loop of its own in a worker thread, so it may be
+    called from inside a running loop (the runtime is built there). Raises ValueError for a
+    server that cannot be listed and for a name another tool (or server) already has.
     """
     if failures not in FAILURES:
         raise ValueError(f"engine_mcp_failures must be one of {', '.join(FAILURES)}, got {failures!r}")
     names: list[str] = []
+    servers = parse_servers(specs) if not isinstance(specs, ServerSpec) else (specs,)
     with _lock:
-        for spec in parse_servers(specs) if not isinstance(specs, ServerSpec) else (specs,):
-            if spec not in _registered:
-                with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                    listing = pool.submit(asyncio.run, list_server(spec, list_timeout)).result()
-                _registered[spec] = _register(spec, listing, list_timeout)
+        new = list(dict.fromkeys(s for s in servers if s not in _registered))
+        if new:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                listings = pool.submit(asyncio.run, _list_all(new, list_timeout)).result()
+            for spec in new:  # in the order given, so a clash names the later one
+                if isinstance(listings[spec], BaseException):
+                    raise listings[spec]
+                _registered[spec] = _register(spec, listings[spec], list_timeout)
+        for spec in servers:
             for tool in _registered[spec]:
                 tool.failures = failures  # the latest settings (one job per process)
                 tool.timeout = list_timeout
             names += [t.name for t in _registered[spec]]
     return names
+
+
+async def _list_all(specs: list[ServerSpec], timeout: float) -> dict[ServerSpec, Listing | BaseException]:
+    """Every server listed at once (each within `timeout`): its listing, or why it has none."""
+    done = await asyncio.gather(*(list_server(spec, timeout) for spec in specs), return_exceptions=True)
+    return dict(zip(specs, done))
 
 
 def _register(spec: ServerSpec, listing: Listing, timeout: float) -> list[McpTool]:

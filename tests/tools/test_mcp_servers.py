@@ -235,6 +235,12 @@ def test_a_server_that_cannot_start_is_a_setup_error_for_every_sample():
     assert "s3cr3t" not in json.dumps(sample.metadata)  # never the command line
 
 
+def test_a_server_that_exits_at_start_says_how():
+    quitter = {"name": "quitter", "command": [sys.executable, "-c", "import sys; sys.exit(7)"]}
+    with pytest.raises(ValueError, match=r"^MCP server 'quitter' could not start \(exited with status 7\)$"):
+        mcp_servers.register_servers((quitter,), 30)
+
+
 def test_listing_is_bounded_by_its_own_setting(tmp_path):
     """A server that never answers `initialize` (it sleeps before speaking) fails the start after
     engine_mcp_list_timeout, whatever the tool timeout says."""
