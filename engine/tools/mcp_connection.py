@@ -240,7 +240,7 @@ class Connection:
             raise ServerFailure("timeout", f"did not answer within {seconds:g} seconds") from None
         except ServerFailure:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever broke, _failure says whose it is
             assert life is not None
             raise await self._failure(life, tool, exc) from None
 
@@ -253,7 +253,7 @@ class Connection:
         try:
             async with asyncio.timeout(PING_SECONDS):
                 await life.ready.result().send_ping()
-        except Exception:  # silent or gone: end it; the next call starts it again
+        except Exception:  # noqa: BLE001 - silent or gone: end it; the next call starts it again
             life.kill()
 
     async def _failure(self, life: Life, tool: str, exc: Exception) -> Exception:
@@ -307,7 +307,7 @@ class Connection:
             raise ServerFailure("timeout", f"did not list its tools within {seconds:g} seconds") from None
         except ServerFailure:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever broke, _failure says whose it is
             raise await self._failure(life, "tools/list", exc) from None
 
     @property
@@ -387,7 +387,7 @@ class _Tapped:
         await self._stream.__aenter__()
         return self
 
-    async def __aexit__(self, *exc: Any) -> Any:
+    async def __aexit__(self, *exc: object) -> Any:
         return await self._stream.__aexit__(*exc)
 
     def __getattr__(self, name: str) -> Any:

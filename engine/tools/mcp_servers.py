@@ -35,7 +35,17 @@ from typing import Any
 
 from engine.tools.mcp_connection import Connection, Listing, ServerFailure
 from engine.tools.mcp_spec import ServerSpec, parse_servers
-from engine.tools.registry import _NAME, Tool, ToolError, ToolResult, ToolUnavailable, call_timeout, get, register, unregister
+from engine.tools.registry import (
+    _NAME,
+    Tool,
+    ToolError,
+    ToolResult,
+    ToolUnavailable,
+    call_timeout,
+    get,
+    register,
+    unregister,
+)
 
 log = logging.getLogger(__name__)
 FAILURES = ("unavailable", "observation")  # what a server that cannot answer means (engine_mcp_failures)

@@ -112,7 +112,7 @@ class ServerProcess:
                     log.debug("an MCP server wrote a line that is not JSON-RPC; skipped")  # waits on it times out
                     continue
                 await self._to_session.send(SessionMessage(message))
-        except Exception:  # the session is gone (a closed stream), or the pipe broke: the connection ends
+        except Exception:  # noqa: BLE001 - the session is gone (a closed stream), or the pipe broke: it ends
             return
         finally:
             self._to_session.close()  # the session's calls fail at once, instead of waiting
@@ -126,7 +126,7 @@ class ServerProcess:
                 data = item.message.model_dump_json(by_alias=True, exclude_unset=True)
                 stdin.write(data.encode("utf-8") + b"\n")
                 await stdin.drain()
-        except Exception:  # the server closed its stdin or died: the reader ends the connection
+        except Exception:  # noqa: BLE001 - the server closed its stdin or died: the reader ends the connection
             return
 
     async def exited(self, seconds: float) -> bool:

@@ -24,9 +24,9 @@ pytest.importorskip("mcp", reason="the MCP SDK is not installed (the mcp extra)"
 
 from engine import slime, tools  # noqa: E402
 from engine.config import EngineConfig, RetryPolicy  # noqa: E402
+from engine.local.sample import Sample  # noqa: E402
 from engine.loop.driver import drive, new_rollout  # noqa: E402
 from engine.loop.runtime import Runtime  # noqa: E402
-from engine.local.sample import Sample  # noqa: E402
 from engine.machine.rollout import Rollout  # noqa: E402
 from engine.tools import mcp_servers  # noqa: E402
 from tests.conftest import run  # noqa: E402
