@@ -1,8 +1,8 @@
 """The main job: roll out a JSONL of prompts, write the samples, print a summary.
 
 Everything the user gave is checked before anything starts (`plan_run`): the paths, the
-settings (through the same table a slime job reads, `engine.config.SETTINGS`, from
-`--config` YAML and the flags, the flags winning), the tokenizer, the tool modules, and
+settings (read as a slime job reads them, through their declarations in `engine.settings`, from
+`--config` YAML and the flags, the flags winning; the plugins' too), the tokenizer, the tool modules, and
 then whether every offered tool can work at all (`engine.loop.preflight`). A bad argument
 is one `error:` line and exit status 2; a tool that cannot work stops the job with exit 1.
 
@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -33,21 +34,28 @@ from typing import Any
 import attrs
 import httpx
 
-from engine.config import (SETTINGS, EngineConfig, SettingsError, flagged_settings, load_yaml_settings, unknown_key_message,
-                           unknown_keys, warn_once)
+from engine.logs import warn_once
+from engine.settings import sources
+from engine.settings.core import EngineConfig, Sampling, flagged_settings, load_plugins, run_rows
+from engine.settings.declare import SettingsError, declared_keys, read_key
 from engine.local.demos import demo_file, demo_replay
 from engine.local.sample import Sample
 
+log = logging.getLogger("engine.settings")
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 128 + signal.SIGTERM
 
-# All three made from the one declaration, engine.config.SETTINGS:
-# each flag of `run` (its parsed name) and the key of slime's args (and of the YAML) it sets;
-FLAG_KEYS = {s.flag.destination: s.key for s in flagged_settings() if s.flag is not None}
-FLAG_NAMES = {s.key: s.flag.name for s in flagged_settings() if s.flag is not None}
-# a local run's own defaults where they differ from a training job's (fewer connections and retries);
-RUN_DEFAULTS = {s.key: s.run_default for s in SETTINGS.values() if s.run_default is not None}
-# slime's sampling arguments a run reads (slime itself checks them in a training job).
-SAMPLING_SETTINGS = {k: s for k, s in SETTINGS.items() if s.reader == "run"}
+
+# All made from the declarations (the plugins' imported by now included):
+
+
+def flag_keys() -> dict[str, str]:
+    """Each flag of `run` (its parsed name) and the key of slime's args (and of the YAML) it sets."""
+    return {s.flag.destination: s.key for s in flagged_settings() if s.flag is not None and s.key}
+
+
+def run_defaults() -> dict[str, Any]:
+    """A local run's own defaults where they differ from a training job's (fewer connections and retries)."""
+    return {s.key: s.run_default for s in run_rows() if s.run_default is not None}
 
 
 class UsageError(Exception):
@@ -137,20 +145,27 @@ class Plan:
 
 
 def settings_args(ns: argparse.Namespace) -> argparse.Namespace:
-    """slime's `args` as this run's settings make them: the run's defaults, the YAML, then the flags."""
-    args = argparse.Namespace(**RUN_DEFAULTS)
+    """slime's `args` as this run's settings make them: the run's defaults, the YAML, then the flags.
+
+    The modules the YAML and the flags name are imported first (raises SettingsError for one that
+    cannot be): the settings their plugins declare are known before any key of the YAML is judged.
+    """
+    data: dict[str, Any] = {}
     if getattr(ns, "config", None):
         try:
-            data = load_yaml_settings(ns.config)
+            data = sources.load_yaml_settings(ns.config)
         except SettingsError as exc:
             raise UsageError(f"--config: {exc}") from None
-        unknown = unknown_keys(data)  # every key of this YAML is the engine's: nothing else reads it
-        for key, closest in unknown.items():
-            warn_once(unknown_key_message(key, closest))
-        for key, value in data.items():  # as slime does with --custom-config-path
-            if key not in unknown:
-                setattr(args, key, value)
-    for dest, key in FLAG_KEYS.items():
+    load_plugins(read_key("engine_tool_modules", data.get("engine_tool_modules")))
+    load_plugins(getattr(ns, "tool_modules", None) or ())
+    args = argparse.Namespace(**run_defaults())
+    unknown = sources.unknown_keys(data)  # every key of this YAML is the engine's: nothing else reads it
+    for key, closest in unknown.items():
+        warn_once(sources.unknown_key_message(key, closest), log)
+    for key, value in data.items():  # as slime does with --custom-config-path
+        if key not in unknown:
+            setattr(args, key, value)
+    for dest, key in flag_keys().items():
         value = getattr(ns, dest, None)
         if value is not None:
             setattr(args, key, value)
@@ -159,9 +174,9 @@ def settings_args(ns: argparse.Namespace) -> argparse.Namespace:
 
 def _origin(ns: argparse.Namespace, key: str) -> str:
     """Where a setting came from, for an error message: its flag, or the YAML key."""
-    for dest, k in FLAG_KEYS.items():
-        if k == key and getattr(ns, dest, None) is not None:
-            return FLAG_NAMES[key]
+    for s in flagged_settings():
+        if s.key == key and s.flag is not None and getattr(ns, s.flag.destination, None) is not None:
+            return s.flag.name
     return f"{key} in {ns.config}" if getattr(ns, "config", None) else key
 
 
@@ -233,21 +248,14 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
 
 def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
     """Import the tool modules, check the tool names; returns the tools offered."""
-    import importlib
-
     from engine import tools
 
-    for module in cfg.tool_modules:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            raise UsageError(f"{_origin(ns, 'engine_tool_modules')} {module}: cannot import it "
-                             f"({type(exc).__name__}: {exc})") from None
-    if cfg.mcp_servers:
-        from engine.tools import mcp_servers
+    from engine.tools import mcp_servers
 
+    mcp = cfg.plugin(mcp_servers.McpSettings)
+    if mcp.servers:  # the tool modules are imported by now (`settings_args`)
         try:
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.mcp_list_timeout, cfg.mcp_failures)
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         except ValueError as exc:
             raise UsageError(f"{_origin(ns, 'engine_mcp_servers')}: {exc}") from None
     check_environment(ns, cfg)
@@ -270,7 +278,7 @@ def check_environment(ns: argparse.Namespace, cfg: EngineConfig) -> None:
         raise UsageError(f"{_origin(ns, 'engine_environment')}: no environment named {cfg.environment!r} "
                          f"(registered: {', '.join(envs.environment_names()) or 'none'}; add one with --tool-module)")
     try:
-        env.setup(cfg)
+        cfg.set_up(env)
     except Exception as exc:
         raise UsageError(f"{_origin(ns, 'engine_environment')} {cfg.environment}: {exc}") from None
 
@@ -291,14 +299,16 @@ def plan_run(ns: argparse.Namespace) -> Plan:
     """Check every argument, cheapest first; raises UsageError (or CannotRun for a dead tool)."""
     in_path = ns.input or demo_file("prompts.jsonl")
     check_output(ns.output, in_path)
-    args = settings_args(ns)
     try:
+        args = settings_args(ns)
         cfg = EngineConfig.from_args(args)
-        sampling = {k: s.read(getattr(args, k, None)) for k, s in SAMPLING_SETTINGS.items()}
-    except SettingsError as exc:
-        key = str(exc).split(" ", 1)[0]
-        raise UsageError(f"{_origin(ns, key)}: {str(exc).split(' ', 1)[1]}" if key in _all_keys() else str(exc)) from None
-    check_budgets(ns, cfg, sampling["rollout_max_response_len"])
+        sampling = sources.read(Sampling, args)
+    except SettingsError as exc:  # the sentence names the key: say where the user set it instead
+        key, _, rest = str(exc).partition(" ")
+        if key not in declared_keys():
+            raise UsageError(str(exc)) from None
+        raise UsageError(f"{_origin(ns, key)}{':' if rest.startswith('must ') else ''} {rest}") from None
+    check_budgets(ns, cfg, sampling.rollout_max_response_len)
     server = ns.server or getattr(args, "engine_server_url", None)
     if server and ns.replay:
         raise UsageError("--replay: only the embedded server replays a script; drop --replay or --server")
@@ -311,7 +321,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
             load_replay(replay)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--replay {replay}: {getattr(exc, 'strerror', None) or exc}") from None
-    samples = expand_groups(read_input(in_path, ns.limit), sampling["n_samples_per_prompt"])
+    samples = expand_groups(read_input(in_path, ns.limit), sampling.n_samples_per_prompt)
     offered = check_tools(ns, cfg)  # first: a tool module may register the profile or parser named
     tokenizer = check_tokenizer(ns, cfg)
     from engine.loop.preflight import check_tools_sync, describe
@@ -319,15 +329,11 @@ def plan_run(ns: argparse.Namespace) -> Plan:
     problems = check_tools_sync(offered)
     if problems:
         raise CannotRun(f"{describe(problems)}; nothing was rolled out")
-    params = {"temperature": sampling["rollout_temperature"], "top_p": sampling["rollout_top_p"],
-              "max_new_tokens": sampling["rollout_max_response_len"], "no_stop_trim": True,
+    params = {"temperature": sampling.rollout_temperature, "top_p": sampling.rollout_top_p,
+              "max_new_tokens": sampling.rollout_max_response_len, "no_stop_trim": True,
               "skip_special_tokens": False, "spaces_between_special_tokens": False}
     progress = not ns.no_progress and sys.stderr.isatty()
     return Plan(cfg, samples, params, ns.output, server, replay, tokenizer, progress, tuple(offered))
-
-
-def _all_keys() -> set[str]:
-    return set(SETTINGS)
 
 
 SANDBOXED_TOOLS = ("code_interpreter", "python_session")  # the built-in tools that run model code in the sandbox
@@ -560,5 +566,5 @@ def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | N
     return 0
 
 
-__all__ = ["CannotRun", "Plan", "UsageError", "expand_groups", "main_run", "plan_run",
-           "read_prompts", "settings_args"]
+__all__ = ["CannotRun", "Plan", "UsageError", "expand_groups", "flag_keys", "main_run", "plan_run",
+           "read_prompts", "run_defaults", "settings_args"]

@@ -48,6 +48,7 @@ FOREIGN: dict[str, str] = {
     "--no-deps": "pip", "--index-url": "pip",
     "--reuid": "setpriv", "--regid": "setpriv", "--bounding-set": "setpriv", "--clear-groups": "setpriv",
     "--address": "ray start", "--resources": "ray start",
+    "--greeting": "greeter.py, docs/tools.md's example plugin (`run` offers it once given the module)",
     "--repository": "mcp-server-git",
 }
 

@@ -24,7 +24,9 @@ answers, `respond` for every such turn, and `end` once the sample ends, whatever
 `respond`'s text is appended as the next user turn (mask 0); its reward is kept with the model
 turn it answers; `done` ends the episode (COMPLETED, reason `environment_done`, the
 environment's `reason` text recorded). Each call is bounded by `engine_tool_timeout`.
-Like `engine.tools`, this package imports nothing else of the engine: arrows run one way.
+An environment's own settings are a class of them under its own prefix, named as its `Settings`
+and handed to its `setup` (see `Environment`). Like `engine.tools`, this package imports nothing
+else of the engine but the settings' declarations: arrows run one way.
 """
 
 from engine.envs.base import (Environment, EnvironmentFailed, Reply, check_reply, environment_names, get_environment,

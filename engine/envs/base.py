@@ -36,14 +36,19 @@ class EnvironmentFailed(Exception):
 class Environment:
     """Base class of an environment. Subclasses set `name` and implement `respond`.
 
-    `setup(settings)` is called once per engine runtime with the engine's settings (an object
-    with attributes, e.g. `engine_tool_timeout` as `settings.tool_timeout`) and returns the
-    environment that runtime uses: by default `self`. `aclose` is called when the runtime closes.
+    `Settings`, when set, is the environment's own settings class (`engine.settings.settings`,
+    under its own prefix, e.g. `engine_guess_`): the engine reads it from slime's args, the YAML
+    and `run`'s flags, checks it as it checks its own, and hands the instance to `setup`.
+    `setup(cfg, settings)` is called once per engine runtime with the engine's settings (`cfg`, an
+    `EngineConfig`: e.g. `cfg.tool_timeout`) and the environment's own (an environment without
+    `Settings` is called with `cfg` alone), and returns the environment that runtime uses: by
+    default `self`. `aclose` is called when the runtime closes.
     """
 
     name: ClassVar[str] = ""
+    Settings: ClassVar[type | None] = None
 
-    def setup(self, settings: Any) -> Environment:
+    def setup(self, cfg: Any, settings: Any = None) -> Environment:
         """The environment one runtime uses (override to read settings or open clients)."""
         return self
 

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.envs import base as envs
+from engine.settings import EngineConfig, setting, settings
+from engine.settings.declare import URL, default_of
 
 STOP = "###STOP###"
 SYSTEM = (
@@ -44,25 +46,36 @@ def chatml(messages: list[dict[str, str]]) -> str:
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
 
 
+@settings(prefix="engine_user_sim_")
+class UserSimulatorSettings:
+    """The user_simulator environment (engine_environment: user_simulator)."""
+
+    url: str | None = setting(kind=URL, help="the second model's URL")
+    api: str = setting("chat", choices=("chat", "generate"), help="chat (/v1/chat/completions) or generate (SGLang's /generate)")
+    model: str = setting("default", help="the model name sent to the chat API")
+    temperature: float = setting(0.7, low=0, high=100, help="sampling temperature")
+    max_tokens: int = setting(256, low=1, high=10**6, help="tokens per user message")
+
+
 class UserSimulator(envs.Environment):
     """A simulated user: a second model that answers each turn of the policy that is not a tool call."""
 
     name = "user_simulator"
+    Settings = UserSimulatorSettings
 
-    def __init__(self, url: str | None = None, api: str = "chat", model: str = "default", temperature: float = 0.7,
-                 max_tokens: int = 256, timeout: float = 120.0) -> None:
-        self.url, self.api, self.model = url, api, model
-        self.temperature, self.max_tokens, self.timeout = temperature, max_tokens, timeout
+    def __init__(self, settings: UserSimulatorSettings | None = None,
+                 timeout: float = default_of(EngineConfig, "tool_timeout")) -> None:
+        settings = settings or UserSimulatorSettings()
+        self.url, self.api, self.model = settings.url, settings.api, settings.model
+        self.temperature, self.max_tokens, self.timeout = settings.temperature, settings.max_tokens, timeout
         self._http: Any = None  # an httpx.AsyncClient, opened at the first request
 
-    def setup(self, settings: Any) -> UserSimulator:
-        """A simulator configured by the engine's settings (`engine_user_sim_*`)."""
-        url = getattr(settings, "user_sim_url", None)
-        if not url:
+    def setup(self, cfg: Any, settings: UserSimulatorSettings | None = None) -> UserSimulator:
+        """A simulator for one runtime: its own settings (`engine_user_sim_*`), the engine's tool timeout."""
+        settings = settings or UserSimulatorSettings()
+        if not settings.url:
             raise ValueError("engine_environment user_simulator needs engine_user_sim_url (the second model's URL)")
-        return UserSimulator(url, getattr(settings, "user_sim_api", "chat"), getattr(settings, "user_sim_model", "default"),
-                             getattr(settings, "user_sim_temperature", 0.7), getattr(settings, "user_sim_max_tokens", 256),
-                             getattr(settings, "tool_timeout", 120.0))
+        return UserSimulator(settings, cfg.tool_timeout)
 
     async def start(self, prompt: Any, metadata: Mapping[str, Any]) -> list[dict[str, str]]:
         """The simulated user's side of the conversation: its instructions and its first message."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from engine import envs, tools
 from engine.aio import within
-from engine.config import log_once
+from engine.logs import log_once
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint
 from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
@@ -144,7 +144,7 @@ async def run_tool_calls(rt: Runtime, r: Rollout) -> str:
     name = tool_of(r.state)
     mine = [c for c in r.turn.pending_calls if c.name == name]
     r.turn.pending_calls = [c for c in r.turn.pending_calls if c.name != name]
-    tool = tools.get(name)
+    tool = rt.tool(name)
     assert tool is not None, f"tool {name} left the registry mid-rollout"
     started = time.perf_counter()
     if name not in r.tool_sessions:
@@ -313,7 +313,7 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
     finally:
         if deferred:
             full_collections.exit()
-        await release_tool_sessions(r)
+        await release_tool_sessions(rt, r)
         await end_episode(rt, r)
     return r
 
@@ -356,11 +356,11 @@ def final_model_text(rt: Runtime, r: Rollout) -> str:
     return rt.profile.decode(ids) if ids else ""
 
 
-async def release_tool_sessions(r: Rollout) -> None:
+async def release_tool_sessions(rt: Runtime, r: Rollout) -> None:
     """Give every tool its per-trajectory session back, whatever happened."""
     for name, session in list(r.tool_sessions.items()):
-        tool = tools.get(name)
         try:
+            tool = rt.tool(name)
             if tool is not None:
                 await asyncio.shield(tool.release(session))
         except Exception:  # a release failure must not hide the sample's own outcome

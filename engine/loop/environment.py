@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import envs
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.profiles import Profile
 
 
@@ -24,4 +24,4 @@ def set_up_environment(cfg: EngineConfig, profile: Profile) -> Any:
                          "name the module that registers it in engine_tool_modules")
     if not callable(getattr(profile, "user_turn_ids", None)):
         raise ValueError(f"the {profile.name} profile cannot append an environment's reply as a user turn")
-    return env.setup(cfg)
+    return cfg.set_up(env)

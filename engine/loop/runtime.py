@@ -15,7 +15,7 @@ import attrs
 
 from engine import tools
 from engine.aio import Gate
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.loop.abort import AbortSignal
 from engine.loop.environment import set_up_environment
 from engine.loop.tool_calls import ToolRunner
@@ -45,6 +45,8 @@ class Runtime:
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
     _prompts: OrderedDict[Any, tuple[int, ...]] = attrs.field(factory=OrderedDict)  # exact_key(prompt), tools, ... -> ids
+    # Each registered tool as `setup` made it for these settings, beside the registered one it was made from.
+    _tools: dict[str, tuple[tools.Tool, tools.Tool]] = attrs.field(factory=dict, init=False)
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
@@ -52,6 +54,21 @@ class Runtime:
     def __attrs_post_init__(self) -> None:
         if self.environment is None:  # the one `engine_environment` names, set up for this runtime
             self.environment = set_up_environment(self.cfg, self.profile)
+        for name in tools.names():  # a tool's settings are checked now, not at its first call
+            self.tool(name)
+
+    def tool(self, name: str) -> tools.Tool | None:
+        """The tool registered as `name`, set up for this runtime's settings (`Tool.setup`), or None.
+
+        A tool registered after the runtime was made is set up at its first call.
+        """
+        registered = tools.get(name)
+        if registered is None:
+            return None
+        made = self._tools.get(name)
+        if made is None or made[0] is not registered:
+            made = self._tools[name] = (registered, self.cfg.set_up(registered))
+        return made[1]
 
     def in_flight(self) -> InFlight:
         """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.
@@ -125,8 +142,9 @@ class Runtime:
         """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
         for module in cfg.tool_modules:
             importlib.import_module(module)
-        if cfg.mcp_servers:  # their tools register like a module's, before the machine is built
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.mcp_list_timeout, cfg.mcp_failures)
+        mcp = cfg.plugin(mcp_servers.McpSettings)
+        if mcp.servers:  # their tools register like a module's, before the machine is built
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         configure_sandbox(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
@@ -161,8 +179,7 @@ class Runtime:
         try:
             if self.environment is not None:
                 await self.environment.aclose()
-            if self.cfg.mcp_servers:
-                await mcp_servers.close_connections()  # the servers this loop started end with the run
+            await mcp_servers.close_connections()  # the servers this loop started end with the run
         finally:
             await self.client.http.aclose()
 

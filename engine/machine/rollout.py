@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import attrs
 
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.machine.trajectory import Trajectory
 from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.sglang.wire import Reply

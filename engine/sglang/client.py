@@ -31,7 +31,8 @@ import attrs
 import httpx
 
 from engine.aio import Gate, within
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
+from engine.settings.declare import default_of
 from engine.sglang.http1 import LIMIT, AsyncioTransport, BodySource, BodyStream, ReplyTooLarge
 from engine.sglang.wire import (
     Failure,
@@ -122,7 +123,7 @@ class HttpPool:
     limit are the engine's transport's, so another one must bound those itself.
     """
 
-    def __init__(self, max_connections: int, timeout: httpx.Timeout, max_body: int = 1 << 30,
+    def __init__(self, max_connections: int, timeout: httpx.Timeout, max_body: int = default_of(EngineConfig, "max_reply_bytes"),
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.max_body = max_body  # a reply past it raises ReplyTooLarge: memory is bounded, not only time
         connections = max(1, max_connections)
@@ -215,7 +216,7 @@ class SGLangClient:
         http: HttpPool,
         retry: RetryPolicy,
         *,
-        request_timeout: float = 1800.0,
+        request_timeout: float = default_of(EngineConfig, "request_timeout"),
         vocab_size: int | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -257,7 +258,9 @@ class SGLangClient:
             headers[ROUTING_HEADER] = str(routing_key)
         vocab = self._vocab if self._vocab_checked else await self.vocabulary()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry.deadline
+        # a policy without a deadline of its own (a bare RetryPolicy()) retries within the request timeout
+        retry_seconds = self.request_timeout if self.retry.deadline is None else self.retry.deadline
+        deadline = loop.time() + retry_seconds
         attempt = 0
         while True:
             attempt += 1
@@ -273,7 +276,7 @@ class SGLangClient:
                 why = f"gave up after {attempt} attempt(s)"
                 if attempt < self.retry.max_attempts:
                     asked = f"the server asked for {outcome.retry_after:.3g}s, " if outcome.retry_after is not None else ""
-                    why += f" ({asked}{max(left, 0.0):.3g}s left of the {self.retry.deadline:g}s retry deadline)"
+                    why += f" ({asked}{max(left, 0.0):.3g}s left of the {retry_seconds:g}s retry deadline)"
                 return Failure("unavailable", f"{why}: {outcome.message}", outcome.status)
             self.retries_spent += 1
             log.debug("retrying /generate in %.2fs after: %s", delay, outcome.message)

@@ -31,6 +31,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 
+from engine.settings import EngineConfig
+from engine.settings.declare import default_of
+
+REPLY_BYTES = default_of(EngineConfig, "max_reply_bytes")  # the cap of a transport not told another
 MAX_HEAD = 64 * 1024  # bytes of status line and headers; SGLang sends a few hundred
 MAX_CHUNK_LINE = 1024  # bytes of one chunk-size line (hex size and extensions)
 IDLE_SECONDS = 4.0  # an idle connection older than this is closed, not reused: uvicorn drops them at 5 s
@@ -115,7 +119,7 @@ class Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.reply: _Reply | None = None
         self.waiter: asyncio.Future[_Reply] | None = None
-        self.max_body = 1 << 30
+        self.max_body = REPLY_BYTES  # each exchange sets its transport's own cap
         self.closed = False
         self.idle_since = 0.0
         self.answered = False  # a byte of the reply came
@@ -346,7 +350,7 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
     byte); without it, the client's read timeout does. The connect timeout bounds the connect.
     """
 
-    def __init__(self, connections: int, tls: ssl.SSLContext | None = None, max_body: int = 1 << 30) -> None:
+    def __init__(self, connections: int, tls: ssl.SSLContext | None = None, max_body: int = REPLY_BYTES) -> None:
         self.connections = connections
         self.tls = tls or ssl.create_default_context()
         self.max_body = max_body  # a reply past it raises ReplyTooLarge: memory is bounded, not only time

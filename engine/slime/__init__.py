@@ -20,7 +20,7 @@ import threading
 import weakref
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.loop.attempts import run_attempts
 from engine.loop.driver import new_rollout
 from engine.loop.preflight import log_tool_problems

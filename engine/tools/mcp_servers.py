@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import threading
 import weakref
 from typing import Any
 
+from engine.settings import Flag, Kind, setting, settings
+from engine.settings.core import DAY, TOOLS
+from engine.settings.declare import default_of
 from engine.tools.mcp_connection import Connection, Listing, ServerFailure
 from engine.tools.mcp_spec import ServerSpec, parse_servers
 from engine.tools.registry import (
@@ -48,7 +52,24 @@ from engine.tools.registry import (
 )
 
 log = logging.getLogger(__name__)
-FAILURES = ("unavailable", "observation")  # what a server that cannot answer means (engine_mcp_failures)
+
+
+@settings(prefix="engine_mcp_")
+class McpSettings:
+    """MCP servers: whose tools are offered, and what a server that cannot answer means."""
+
+    servers: tuple[Any, ...] = setting(
+        (), kind=Kind("a list of MCP servers, each a command line, an http(s) URL or a mapping (name, command or url, env or "
+                      "headers)", parse_servers, quote=False),  # an env or a header may hold a secret: never quoted
+        flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, repeatable=True, dest="mcp_servers",
+                  help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL"),
+        help="MCP servers whose tools are offered: each a command line (stdio), an http(s) URL, or a mapping with name, "
+             "command or url, env or headers (values from the job's environment as ${NAME})")
+    list_timeout: float = setting(90.0, low=0, high=DAY, above_low=True,  # room for uvx or npx to fetch a server once
+                                  help="seconds an MCP server has to start and list its tools when the job starts")
+    failures: str = setting("unavailable", choices=("unavailable", "observation"),
+                            help="an MCP server that cannot answer (down, hung, crashed): end the sample untrained "
+                                 "(unavailable: tool_unavailable), or show the model an error (observation: coping is part of the task)")
 
 
 def _sdk() -> Any:
@@ -108,19 +129,30 @@ class McpTool(Tool):
 
     `server`: how messages name its server; `lenient`: the SDK refused the server's listing (a
     tool with an invalid schema), so results are not checked against listed output schemas;
-    `failures`: "unavailable" (a failing server ends the sample untrained) or "observation".
+    `timeout`: a call's limit outside the engine's calls (which carry the tool timeout);
+    `failures`: "unavailable" (a failing server ends the sample untrained) or "observation" (None: the default).
+    A runtime calls the copy `setup` makes with its own settings.
     """
 
     def __init__(self, spec: ServerSpec, name: str, description: str, parameters: dict[str, Any], *,
-                 server: str, timeout: float, lenient: bool = False, failures: str = "unavailable") -> None:
+                 server: str, timeout: float, lenient: bool = False, failures: str | None = None) -> None:
         self.spec = spec
         self.name = name  # type: ignore[misc]
         self.description = description  # type: ignore[misc]
         self.parameters = parameters  # type: ignore[misc]
         self.server = server
-        self.timeout = timeout  # outside the engine's calls (which carry the tool timeout)
+        self.timeout = timeout
         self.lenient = lenient
-        self.failures = failures
+        self.failures = failures or default_of(McpSettings, "failures")
+
+    Settings = McpSettings
+
+    def setup(self, cfg: Any, settings: McpSettings | None = None) -> McpTool:
+        """This tool under one runtime's settings: its tool timeout, and whose a failing server is."""
+        made = copy.copy(self)
+        made.timeout = cfg.tool_timeout
+        made.failures = (settings or McpSettings()).failures
+        return made
 
     async def execute(self, state: Any, **arguments: Any) -> ToolResult:
         seconds = call_timeout(self.timeout)
@@ -177,7 +209,7 @@ _registered: dict[ServerSpec, list[McpTool]] = {}  # server -> the tools registe
 _lock = threading.Lock()
 
 
-def register_servers(specs: Any, list_timeout: float, failures: str = "unavailable") -> list[str]:
+def register_servers(specs: Any, list_timeout: float, tool_timeout: float) -> list[str]:
     """List each server's tools (once per process) and register them; returns every name registered.
 
     `specs`: `engine_mcp_servers` entries (ServerSpecs, command lines, URLs or mappings). The
@@ -186,8 +218,6 @@ def register_servers(specs: Any, list_timeout: float, failures: str = "unavailab
     called from inside a running loop (the runtime is built there). Raises ValueError for a
     server that cannot be listed and for a name another tool (or server) already has.
     """
-    if failures not in FAILURES:
-        raise ValueError(f"engine_mcp_failures must be one of {', '.join(FAILURES)}, got {failures!r}")
     names: list[str] = []
     servers = parse_servers(specs) if not isinstance(specs, ServerSpec) else (specs,)
     with _lock:
@@ -198,11 +228,8 @@ def register_servers(specs: Any, list_timeout: float, failures: str = "unavailab
             for spec in new:  # in the order given, so a clash names the later one
                 if isinstance(listings[spec], BaseException):
                     raise listings[spec]
-                _registered[spec] = _register(spec, listings[spec], list_timeout)
+                _registered[spec] = _register(spec, listings[spec], tool_timeout)
         for spec in servers:
-            for tool in _registered[spec]:
-                tool.failures = failures  # the latest settings (one job per process)
-                tool.timeout = list_timeout
             names += [t.name for t in _registered[spec]]
     return names
 

@@ -68,11 +68,24 @@ class Tool:
     `parameters` (a JSON schema of the arguments) is derived from `execute`'s type hints
     when not given. `execute` receives the per-trajectory state made by `create`
     (None by default) and the call's arguments as keywords.
+
+    `Settings`, when set, is the tool's own settings class (`engine.settings.settings`, under its
+    own prefix, e.g. `engine_mytool_`): the engine reads it from slime's args, the YAML and `run`'s
+    flags, checks it as it checks its own, and hands the instance to `setup`.
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     parameters: ClassVar[dict[str, Any] | None] = None
+    Settings: ClassVar[type | None] = None
+
+    def setup(self, cfg: Any, settings: Any = None) -> Tool:
+        """The tool one engine runtime calls, by default this one (override to read settings or open clients).
+
+        Called once per runtime with the engine's settings (`cfg`: e.g. `cfg.tool_timeout`) and, for a
+        tool that declares `Settings`, its own; return a tool of the same name and schema.
+        """
+        return self
 
     async def create(self) -> Any:
         """Make the per-trajectory state; called before a trajectory's first call."""

@@ -11,7 +11,8 @@ import pytest
 import respx
 
 from engine import envs, tools
-from engine.config import EngineConfig, RetryPolicy, SettingsError
+from engine.envs.user_simulator import UserSimulatorSettings
+from engine.settings import EngineConfig, RetryPolicy, SettingsError
 from engine.loop.driver import drive, new_rollout
 from engine.loop.runtime import Runtime
 from engine.local.sample import Sample
@@ -217,7 +218,8 @@ def test_a_tool_reward_is_kept_with_the_turn_that_called_it():
 def test_the_setting_is_read_and_checked():
     cfg = EngineConfig.from_args(make_args(engine_environment="user_simulator", engine_user_sim_url="http://127.0.0.1:1",
                                            engine_user_sim_api="generate"))
-    assert (cfg.environment, cfg.user_sim_url, cfg.user_sim_api) == ("user_simulator", "http://127.0.0.1:1", "generate")
+    own = cfg.plugin(UserSimulatorSettings)  # the simulator's own settings, declared with it, read with the engine's
+    assert (cfg.environment, own.url, own.api) == ("user_simulator", "http://127.0.0.1:1", "generate")
     with pytest.raises(SettingsError, match="engine_user_sim_api must be one of chat, generate"):
         EngineConfig.from_args(make_args(engine_user_sim_api="openai"))
     assert json.dumps(EngineConfig.from_args(make_args()).environment) == "null"
@@ -252,14 +254,19 @@ def test_reward_func_and_trace_text_read_the_per_turn_rewards():
     assert (reward["score"], reward["turn_reward"], reward["answer_score"]) == (1.0, 0.0, 1.0)
 
 
-def test_envs_knows_nothing_of_the_engine():
-    """Like `engine.tools`, the environment author's API imports nothing else of the engine."""
+def test_envs_knows_nothing_of_the_engine_but_how_settings_are_declared():
+    """Like `engine.tools`, the environment author's API imports nothing else of the engine but the
+    settings (an environment declares its own), and those import neither the loop nor the machine."""
     from tests.test_house import import_graph
 
     graph = import_graph()
     env_modules = [m for m in graph if m == "engine.envs" or m.startswith("engine.envs.")]
     assert "engine.envs.user_simulator" in env_modules
-    assert not {d for m in env_modules for d in graph[m] if not d.startswith("engine.envs")}
+    assert {d for m in env_modules for d in graph[m] if not d.startswith("engine.envs")} == {"engine.settings",
+                                                                                             "engine.settings.declare"}
+    settings = [m for m in graph if m.startswith("engine.settings")]
+    reached = {d for m in settings for d in graph[m]}
+    assert not {d for d in reached if not d.startswith(("engine.settings", "engine.sandbox", "engine.logs"))}
 
 
 def test_slimes_abort_cuts_an_environment_that_is_answering_and_writes_no_checkpoint():

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from engine import envs, slime, tools
 from engine.envs.user_simulator import UserSimulator, chatml, clean
+from engine.settings import EngineConfig
 from engine.local.sample import Sample
 from engine.local.server import BackgroundServer, ServerSettings
 from tests.conftest import run
@@ -169,7 +170,7 @@ def test_the_simulator_reads_the_policy_without_markup_and_renders_chatml():
     assert chatml([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == \
         "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="needs engine_user_sim_url"):
-        UserSimulator().setup(make_args())
+        EngineConfig.from_args(make_args()).set_up(UserSimulator())
     episode = run(UserSimulator().start("Hi", {"user_instructions": "Be Ada."}))
     assert episode[1] == {"role": "assistant", "content": "Hi"} and "Be Ada." in episode[0]["content"]
     assert isinstance(envs.get_environment("user_simulator"), UserSimulator)

@@ -20,7 +20,7 @@ import attrs
 import pytest
 
 from engine.cli import build_parser, program_name
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.local.demos import demo_file
 from engine.run import settings_args
 
@@ -292,8 +292,9 @@ def test_config_gives_the_settings_slime_would_read(tmp_path: Path) -> None:
     assert EngineConfig.from_args(settings_args(ns)) == from_slime
     assert from_slime.profile == "chat" and from_slime.tools == ("code_interpreter",) and from_slime.partial_rollout
     # a flag wins over the file, and changes nothing else
-    ns = build_parser().parse_args(["run", "--config", str(path), "--max-turns", "3", "--tool-module", "a.b"])
-    assert EngineConfig.from_args(settings_args(ns)) == attrs.evolve(from_slime, max_turns=3, tool_modules=("a.b",))
+    ns = build_parser().parse_args(["run", "--config", str(path), "--max-turns", "3", "--tool-module", "tests.support.plugins.shout_format"])
+    assert EngineConfig.from_args(settings_args(ns)) == attrs.evolve(from_slime, max_turns=3,
+                                                                     tool_modules=("tests.support.plugins.shout_format",))
 
 
 # -- soak and bench check the sandbox first -----------------------------------------------------------

@@ -14,7 +14,7 @@ import respx
 from transitions import MachineError
 
 from engine import envs, tools
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
 from engine.loop.runtime import Runtime
 from engine.machine import guards

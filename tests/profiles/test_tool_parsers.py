@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import engine.logs
 from engine.profiles import parsers
 from engine.profiles.chat import ChatProfile
 from engine.profiles.parsers import detect_tool_parser, foreign_format, get_tool_parser, register_tool_parser
@@ -120,7 +121,7 @@ def test_chat_profile_refuses_an_unknown_parser(qwen3) -> None:
 
 
 def test_the_default_parser_is_chosen_from_the_template_and_logged_once(qwen3, caplog) -> None:
-    parsers._LOGGED.clear()
+    engine.logs.forget()
     with caplog.at_level("INFO", logger="engine.profiles.parsers"):
         assert ChatProfile(qwen3).tool_parser == "qwen"
         ChatProfile(qwen3)

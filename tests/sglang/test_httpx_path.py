@@ -10,7 +10,7 @@ import httpx
 import respx
 
 from engine import slime
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.local.sample import Sample
 from engine.sglang.client import EngineClient, HttpPool, make_http_client
 from engine.sglang.http1 import AsyncioTransport, BodyStream

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from engine import slime
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.local.sample import Sample
 from tests.sglang.loopback import Handler, LoopbackServer, drip, send
 from tests.support.helpers import IM_END, SAMPLING, encode, make_args, reply_body

@@ -24,7 +24,7 @@ import respx
 
 pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'fsm-rollout-engine[mcp]')")
 
-from engine.config import EngineConfig, RetryPolicy  # noqa: E402
+from engine.settings import EngineConfig, RetryPolicy  # noqa: E402
 from engine.loop.driver import drive, new_rollout  # noqa: E402
 from engine.loop.runtime import Runtime  # noqa: E402
 from engine.machine.rollout import Rollout  # noqa: E402
@@ -85,7 +85,7 @@ def scripts_by_prompt(scripts: dict[str, list[str]]) -> Any:
 
 def roll_out(scripts: dict[str, list[str]], spec: Any, *, during: Any = None, **kw: Any) -> dict[str, Rollout]:
     cfg = EngineConfig(server_url=URL, profile="chat", max_context_len=8192, retry=RetryPolicy(max_attempts=1),
-                       mcp_servers=(spec,), **kw)
+                       plugin_settings=[mcp_servers.McpSettings(servers=(spec,))], **kw)
 
     async def go() -> dict[str, Rollout]:
         with respx.mock(assert_all_called=False) as mock:

@@ -23,8 +23,8 @@ import respx
 pytest.importorskip("mcp", reason="the MCP SDK is not installed (the mcp extra)")
 
 from engine import slime, tools  # noqa: E402
-from engine.config import EngineConfig, RetryPolicy  # noqa: E402
 from engine.local.sample import Sample  # noqa: E402
+from engine.settings import EngineConfig, RetryPolicy  # noqa: E402
 from engine.loop.driver import drive, new_rollout  # noqa: E402
 from engine.loop.runtime import Runtime  # noqa: E402
 from engine.machine.rollout import Rollout  # noqa: E402
@@ -74,10 +74,11 @@ def gone(pid: int, seconds: float = 10) -> bool:
     return False
 
 
-def rollout(script: list, servers: tuple[Any, ...], *, during: Any = None, **kw: Any) -> tuple[Rollout, ScriptedServer]:
+def rollout(script: list, servers: tuple[Any, ...], *, during: Any = None, failures: str = "unavailable",
+            **kw: Any) -> tuple[Rollout, ScriptedServer]:
     server = ScriptedServer(script)
     cfg = EngineConfig(server_url=URL, profile="chat", max_context_len=8192, retry=RetryPolicy(max_attempts=1),
-                       mcp_servers=servers, **kw)
+                       plugin_settings=[mcp_servers.McpSettings(servers=servers, failures=failures)], **kw)
 
     async def go() -> Rollout:
         with respx.mock(assert_all_called=False) as mock:
@@ -150,7 +151,7 @@ def test_when_failures_are_the_tasks_a_killed_server_answers_with_an_error_and_i
     killed: list[int] = []
     script = [turn(call("slow_echo", text="hi", seconds=60)), turn(call("slow_echo", text="again", seconds=0)), turn("Done.")]
     r, _ = rollout(script, (f"{SERVER} --pidfile {pidfile}",), during=_kill_when_the_call_starts(pidfile, killed),
-                   tools=("slow_echo",), tool_timeout=30, mcp_failures="observation")
+                   tools=("slow_echo",), tool_timeout=30, failures="observation")
     assert r.state == "COMPLETED"
     first, second = observations(r)
     assert "Error: slow_echo: MCP server 'engine-test' was killed by SIGKILL" in first
@@ -166,7 +167,7 @@ def test_a_slow_call_of_a_live_server_times_out_and_the_server_keeps_serving(tmp
     pidfile = tmp_path / "pid"
     script = [turn(call("slow_echo", text="hi", seconds=60)), turn(call("slow_echo", text="there", seconds=0)), turn("Done.")]
     r, _ = rollout(script, (f"{SERVER} --pidfile {pidfile}",), tools=("slow_echo",), tool_timeout=8,
-                   mcp_failures="observation")
+                   failures="observation")
     first, second = observations(r)
     assert "Error: slow_echo: MCP server 'engine-test' did not answer within 8 seconds" in first
     assert "echo: there" in second
@@ -192,7 +193,7 @@ def test_a_crashing_server_says_how_it_ended():
 
 def test_an_invalid_schema_or_name_skips_that_tool_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="engine.tools.mcp_servers"):
-        names = mcp_servers.register_servers((RAW_SERVER, SERVER), 30)
+        names = mcp_servers.register_servers((RAW_SERVER, SERVER), 30, 30)
     assert names[:3] == ["ok_echo", "add", "slow_echo"]
     warnings = [rec.getMessage() for rec in caplog.records]
     assert len(warnings) == 3
@@ -208,10 +209,10 @@ def test_an_invalid_schema_or_name_skips_that_tool_with_one_warning(caplog):
 
 def test_a_name_clash_is_one_error_naming_both():
     with pytest.raises(ValueError, match=r"tool name clash: MCP server 'engine-test' lists 'x_add', which MCP server 'engine-test'"):
-        mcp_servers.register_servers((f"{SERVER} --prefix x_", f"{SERVER} --prefix x_ --pidfile /dev/null"), 30)
+        mcp_servers.register_servers((f"{SERVER} --prefix x_", f"{SERVER} --prefix x_ --pidfile /dev/null"), 30, 30)
     with pytest.raises(ValueError, match=r"tool name clash: MCP server 'second' lists 'w_add', which MCP server 'first'"):
         mcp_servers.register_servers(({"name": "first", "command": f"{SERVER} --prefix w_"},
-                                      {"name": "second", "command": f"{SERVER} --prefix w_ --tag 2"}), 30)
+                                      {"name": "second", "command": f"{SERVER} --prefix w_ --tag 2"}), 30, 30)
 
     @tools.tool(name="y_add")
     async def y_add(a: int) -> str:
@@ -220,7 +221,7 @@ def test_a_name_clash_is_one_error_naming_both():
 
     try:
         with pytest.raises(ValueError, match=r"lists 'y_add', which the tool tests\.tools\.test_mcp_servers\.test_a_name_clash_is_one_error_naming_both\.<locals>\.y_add already has"):
-            mcp_servers.register_servers((f"{SERVER} --prefix y_",), 30)
+            mcp_servers.register_servers((f"{SERVER} --prefix y_",), 30, 30)
     finally:
         tools.registry.unregister("y_add")
 
@@ -238,7 +239,7 @@ def test_a_server_that_cannot_start_is_a_setup_error_for_every_sample():
 def test_a_server_that_exits_at_start_says_how():
     quitter = {"name": "quitter", "command": [sys.executable, "-c", "import sys; sys.exit(7)"]}
     with pytest.raises(ValueError, match=r"^MCP server 'quitter' could not start \(exited with status 7\)$"):
-        mcp_servers.register_servers((quitter,), 30)
+        mcp_servers.register_servers((quitter,), 30, 30)
 
 
 def test_listing_is_bounded_by_its_own_setting(tmp_path):
@@ -247,7 +248,7 @@ def test_listing_is_bounded_by_its_own_setting(tmp_path):
     sleeper = f"{sys.executable} -c 'import time; time.sleep(600)'"
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"MCP server 'python\S*' did not list its tools within 2 seconds"):
-        mcp_servers.register_servers((sleeper,), 2)
+        mcp_servers.register_servers((sleeper,), 2, 30)
     assert time.monotonic() - started < 2 + 10  # the listing's limit, plus the close and a loaded machine
 
 
@@ -265,7 +266,7 @@ def test_the_model_calls_a_tool_of_a_streamable_http_server(http_server):
 
 
 def test_an_http_server_that_went_down_ends_the_sample_untrained(http_server):
-    mcp_servers.register_servers((http_server,), 30)
+    mcp_servers.register_servers((http_server,), 30, 30)
     port = int(http_server.rsplit(":", 1)[1].split("/")[0])
     with socket.socket() as s:  # the server is still up; now take it down
         assert s.connect_ex(("127.0.0.1", port)) == 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, SettingsError, setting
+from engine.settings import EngineConfig, SettingsError
+from engine.settings.declare import read_key
+from engine.tools.mcp_servers import McpSettings
 from engine.tools.mcp_spec import MissingVariable, ServerSpec, parse_servers
 from tests.support.helpers import make_args
 
@@ -24,12 +26,14 @@ def test_the_settings_read_entries_from_slimes_args_and_keep_the_config_hashable
     entry = {"name": "git", "command": "uvx mcp-server-git", "env": {"GITHUB_TOKEN": "${MY_TOKEN}"}}
     cfg = EngineConfig.from_args(make_args(engine_mcp_servers=[entry], engine_mcp_failures="observation",
                                            engine_mcp_list_timeout=5))
-    assert cfg.mcp_servers == (ServerSpec(command=("uvx", "mcp-server-git"), name="git", env=(("GITHUB_TOKEN", "${MY_TOKEN}"),)),)
-    assert (cfg.mcp_failures, cfg.mcp_list_timeout) == ("observation", 5.0)
+    mcp = cfg.plugin(McpSettings)
+    assert mcp.servers == (ServerSpec(command=("uvx", "mcp-server-git"), name="git", env=(("GITHUB_TOKEN", "${MY_TOKEN}"),)),)
+    assert (mcp.failures, mcp.list_timeout) == ("observation", 5.0)
+    assert McpSettings(servers=["python s.py"]).servers == (ServerSpec(command=("python", "s.py")),)  # built directly, read alike
     assert hash(cfg) == hash(EngineConfig.from_args(make_args(engine_mcp_servers=[dict(entry)], engine_mcp_failures="observation",
                                                               engine_mcp_list_timeout=5)))
     with pytest.raises(SettingsError, match="engine_mcp_failures must be one of unavailable, observation"):
-        setting(make_args(engine_mcp_failures="ignore"), "engine_mcp_failures")
+        read_key("engine_mcp_failures", "ignore")
 
 
 @pytest.mark.parametrize("entry, problem", [
@@ -47,7 +51,7 @@ def test_the_settings_read_entries_from_slimes_args_and_keep_the_config_hashable
 ])
 def test_a_bad_entry_is_one_sentence_that_quotes_no_value(entry: object, problem: str) -> None:
     with pytest.raises(SettingsError, match=f"^engine_mcp_servers: .*{problem}") as raised:
-        setting(make_args(engine_mcp_servers=[entry]), "engine_mcp_servers")
+        read_key("engine_mcp_servers", [entry])
     assert "s3cr3t" not in str(raised.value)
 
 
@@ -82,8 +86,8 @@ def test_the_docs_entries_read_as_settings() -> None:
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text(encoding="utf-8")
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", page, re.DOTALL) if "headers:" in b)
-    cfg = EngineConfig.from_args(make_args(**yaml.safe_load(block)))
-    assert [s.name for s in cfg.mcp_servers] == ["git", "search", "docs"]
-    assert cfg.mcp_servers[0].env == (("GIT_TOKEN", "${GIT_TOKEN}"),)
-    assert cfg.mcp_servers[1].command == ("npx", "-y", "some-search-server")
-    assert cfg.mcp_servers[2].variables() == ["DOCS_TOKEN"]
+    servers = EngineConfig.from_args(make_args(**yaml.safe_load(block))).plugin(McpSettings).servers
+    assert [s.name for s in servers] == ["git", "search", "docs"]
+    assert servers[0].env == (("GIT_TOKEN", "${GIT_TOKEN}"),)
+    assert servers[1].command == ("npx", "-y", "some-search-server")
+    assert servers[2].variables() == ["DOCS_TOKEN"]

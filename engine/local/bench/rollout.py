@@ -31,7 +31,7 @@ import attrs
 import httpx
 
 from engine.aio import Gate
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.local.bench.common import Figure, Sizes, instant_interpreter, median
 from engine.local.bench.server import ROUTING_HEADER, CannedServer
 from engine.local.sample import Sample
@@ -47,8 +47,9 @@ TRANSPORT = "httpx over the engine's transport"  # what the engine's requests go
 HTTPX_SHARD = 4  # connections per client of the bare httpx loop
 
 
-def bench_config(url: str, *, turns: int, connections: int, tool_concurrency: int = 32) -> EngineConfig:
-    """Settings that let every sample take exactly `turns` turns (T-1 tool calls, then the answer)."""
+def bench_config(url: str, *, turns: int, connections: int, tool_concurrency: int | None = None) -> EngineConfig:
+    """Settings that let every sample take exactly `turns` turns (T-1 tool calls, then the answer);
+    `tool_concurrency` None: the engine's default."""
     return EngineConfig(
         server_url=url, profile="retool", max_turns=turns, max_tool_calls=max(turns, 1),
         max_connections=connections, tool_concurrency=tool_concurrency,

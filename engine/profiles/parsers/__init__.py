@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from engine.logs import log_once
 from engine.profiles.base import TurnReading
 from engine.profiles.parsers.base import ParsedTurn, Schemas, ToolParser
 from engine.profiles.parsers.harmony import HarmonyParser
@@ -115,17 +116,8 @@ def default_tool_parser(tokenizer: Any) -> str:
     found = detect_tool_parser(template if isinstance(template, str) else None)
     name = found or DEFAULT
     how = "from the chat template" if found else "the default: the chat template names no known format"
-    _log_once(f"tool parser {name} ({how}); set engine_tool_parser to choose")
+    log_once(f"tool parser {name} ({how}); set engine_tool_parser to choose", logging.INFO, log)
     return name
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(line: str) -> None:
-    if line not in _LOGGED:
-        _LOGGED.add(line)
-        log.info(line)
 
 
 def _family(parser: ToolParser) -> tuple[str, Any]:
