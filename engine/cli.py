@@ -87,7 +87,8 @@ def flag_type(row: Setting) -> Callable[[str], Any]:
             value = row.convert(text)
         except SettingsError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(row.key + " ")) from None
-        if value is None or value == () or not row.fits(value):
+        # An empty list is a value of its own where the default is None: `--tools ""` offers no tool.
+        if value is None or (value == () and row.default is not None) or not row.fits(value):
             raise argparse.ArgumentTypeError(f"must be {row.allowed()}, got {text!r}")
         return value
 

@@ -269,18 +269,39 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
 
 def check_environment(ns: argparse.Namespace, cfg: EngineConfig) -> None:
     """The environment must be registered (after the tool modules are imported) and set up."""
-    if cfg.environment is None:
-        return
+    if cfg.environment is not None:
+        _check_named_environment(cfg, cfg.environment, _origin(ns, "engine_environment"))
+
+
+def check_sample_environments(cfg: EngineConfig, samples: list[Sample]) -> None:
+    """Every environment the input's lines name (`metadata["environment"]`) is registered and sets up."""
+    from engine import envs
+    from engine.loop.environment import UnknownEnvironment, read_choice
+
+    named: dict[str, int] = {}
+    for sample in samples:
+        try:
+            name = read_choice(sample.metadata).name
+        except UnknownEnvironment:
+            continue  # that sample ends bad_sample_input, with the reason: not the run's to refuse
+        if name is not None and name != envs.NONE and name not in named:
+            named[name] = sample.index if sample.index is not None else 0
+    for name, index in named.items():
+        _check_named_environment(cfg, name, f"--input (the sample at position {index})")
+
+
+def _check_named_environment(cfg: EngineConfig, name: str, origin: str) -> None:
+    """UsageError, saying where the name came from, unless the environment `name` is registered and sets up."""
     from engine import envs
 
-    env = envs.get_environment(cfg.environment)
+    env = envs.get_environment(name)
     if env is None:
-        raise UsageError(f"{_origin(ns, 'engine_environment')}: no environment named {cfg.environment!r} "
+        raise UsageError(f"{origin}: no environment named {name!r} "
                          f"(registered: {', '.join(envs.environment_names()) or 'none'}; add one with --tool-module)")
     try:
         cfg.set_up(env)
     except Exception as exc:
-        raise UsageError(f"{_origin(ns, 'engine_environment')} {cfg.environment}: {exc}") from None
+        raise UsageError(f"{origin} {name}: {exc}") from None
 
 
 def check_budgets(ns: argparse.Namespace, cfg: EngineConfig, max_new_tokens: int) -> None:
@@ -323,6 +344,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
             raise UsageError(f"--replay {replay}: {getattr(exc, 'strerror', None) or exc}") from None
     samples = expand_groups(read_input(in_path, ns.limit), sampling.n_samples_per_prompt)
     offered = check_tools(ns, cfg)  # first: a tool module may register the profile or parser named
+    check_sample_environments(cfg, samples)
     tokenizer = check_tokenizer(ns, cfg)
     from engine.loop.preflight import check_tools_sync, describe
 

@@ -43,7 +43,7 @@ FOREIGN: dict[str, str] = {
         "--input-key", "--label-key", "--reward-key", "--apply-chat-template", "--rollout-shuffle", "--num-rollout",
         "--rollout-batch-size", "--rollout-max-response-len", "--rollout-max-context-len",
         "--rollout-temperature", "--rollout-top-p", "--global-batch-size", "--balance-data", "--advantage-estimator",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--dynamic-sampling-filter-path",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--dynamic-sampling-filter-path", "--metadata-key",
     ], "slime"),
     "--no-deps": "pip", "--index-url": "pip",
     "--reuid": "setpriv", "--regid": "setpriv", "--bounding-set": "setpriv", "--clear-groups": "setpriv",

@@ -4,8 +4,9 @@
     engine_user_sim_url: http://127.0.0.1:30001     # the second model
     engine_user_sim_api: chat                        # or generate (SGLang's /generate)
 
-The sample's prompt is the user's first message; `metadata["user_instructions"]` (if any)
-tells the simulated user who it is and what it wants. Each model turn that is not a tool call
+The sample's prompt is the user's first message; `user_instructions` (the environment's args
+for the sample, else the sample's `metadata["user_instructions"]`) tells the simulated user who
+it is and what it wants. Each model turn that is not a tool call
 goes to the second model, with the roles swapped (the policy speaks as "user" there), and its
 answer comes back as the next user turn. The user ends the episode by writing `###STOP###`
 (reason `user_stopped`). With `api: chat` the second model is asked through an
@@ -77,9 +78,10 @@ class UserSimulator(envs.Environment):
             raise ValueError("engine_environment user_simulator needs engine_user_sim_url (the second model's URL)")
         return UserSimulator(settings, cfg.tool_timeout)
 
-    async def start(self, prompt: Any, metadata: Mapping[str, Any]) -> list[dict[str, str]]:
+    async def start(self, task: envs.Task) -> list[dict[str, str]]:
         """The simulated user's side of the conversation: its instructions and its first message."""
-        instructions = metadata.get("user_instructions") if isinstance(metadata, Mapping) else None
+        metadata, prompt = task.metadata, task.prompt
+        instructions = task.args.get("user_instructions") or (metadata.get("user_instructions") if isinstance(metadata, Mapping) else None)
         system = SYSTEM.format(instructions=f"{instructions.strip()} " if isinstance(instructions, str) and instructions.strip() else "")
         if isinstance(prompt, list):
             said = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
@@ -88,9 +90,9 @@ class UserSimulator(envs.Environment):
             first = str(prompt)
         return [{"role": "system", "content": system}, {"role": "assistant", "content": first}]
 
-    async def respond(self, episode: list[dict[str, str]], text: str) -> envs.Reply:
-        """Ask the second model for the user's next message."""
-        episode.append({"role": "user", "content": clean(text)})
+    async def respond(self, episode: list[dict[str, str]], conversation: envs.Conversation) -> envs.Reply:
+        """Ask the second model for the user's next message (it reads the policy's words, not its tool calls)."""
+        episode.append({"role": "user", "content": clean(conversation.text)})
         message = await (self._chat(episode) if self.api == "chat" else self._generate(episode))
         episode.append({"role": "assistant", "content": message})
         if STOP in message:

@@ -17,7 +17,7 @@ from engine import tools
 from engine.aio import Gate
 from engine.settings import EngineConfig
 from engine.loop.abort import AbortSignal
-from engine.loop.environment import set_up_environment
+from engine.loop.environment import Environments
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
@@ -40,7 +40,9 @@ class Runtime:
     tool_runner: ToolRunner
     abort: AbortSignal = attrs.field(factory=AbortSignal)
     abort_check: Callable[[], bool] | None = None  # the caller's own flag (slime's, via the adapter)
-    environment: Any = None  # the chosen `engine.envs.Environment`, set up for this runtime (None: none)
+    # The environments set up for this runtime, by name: the default (`engine_environment`) at once,
+    # those samples name (`metadata["environment"]`) when one first does.
+    environments: Environments = attrs.field(init=False)
     # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
@@ -52,10 +54,14 @@ class Runtime:
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.environment is None:  # the one `engine_environment` names, set up for this runtime
-            self.environment = set_up_environment(self.cfg, self.profile)
+        self.environments = Environments(self.cfg, self.profile)
         for name in tools.names():  # a tool's settings are checked now, not at its first call
             self.tool(name)
+
+    @property
+    def environment(self) -> Any:
+        """The default environment (`engine_environment`), set up for this runtime; None: none."""
+        return self.environments.default
 
     def tool(self, name: str) -> tools.Tool | None:
         """The tool registered as `name`, set up for this runtime's settings (`Tool.setup`), or None.
@@ -175,10 +181,9 @@ class Runtime:
         return frozenset(allowed)
 
     async def aclose(self) -> None:
-        """Close the environment, the MCP servers this loop started, and the HTTP pool."""
+        """Close the environments, the MCP servers this loop started, and the HTTP pool."""
         try:
-            if self.environment is not None:
-                await self.environment.aclose()
+            await self.environments.aclose()
             await mcp_servers.close_connections()  # the servers this loop started end with the run
         finally:
             await self.client.http.aclose()

@@ -22,7 +22,7 @@ def reset_rollout(r: Rollout) -> None:
     r.max_new_tokens = None
     r.turn = TurnScratch()
     r.record.turn_log, r.record.weight_versions = [], []
-    r.record.env_reason = None
+    r.record.env_reason = r.record.env_success = None
 
 
 def restore_checkpoint(r: Rollout) -> None:
@@ -127,13 +127,18 @@ def _refusal(r: Rollout, call: ToolCall, allowed: int) -> str | None:
 
 
 def record_env_reply(r: Rollout) -> None:
-    """Keep the environment's reward with the model turn it answers; if it ended the episode, why."""
+    """Keep the environment's reward and its time with the model turn it answers; if it ended the episode, why."""
     reply = r.turn.env_reply
     assert reply is not None
     if r.record.turn_log:
+        last = r.record.turn_log[-1]
+        last["environment_seconds"] = round(r.turn.env_seconds, 6)
+        if r.turn.env_blocked:  # it held the event loop (the loop says when): every sample waited
+            last["environment_blocked_seconds"] = round(r.turn.env_blocked, 6)
         add_turn_reward(r, reply.reward)
     if reply.done:
         r.record.env_reason = reply.reason
+        r.record.env_success = reply.success
 
 
 _SHARED: dict[tuple[Any, ...], tuple[Any, ...]] = {}

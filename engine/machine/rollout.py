@@ -59,6 +59,7 @@ class Inputs:
     saved: Saved | None = None  # partial rollout: what an earlier attempt left on the sample
     environment: Any = None  # the `engine.envs.Environment` answering turns that call no tool (None: none)
     metadata: Any = None  # the sample's metadata, read-only, for the environment's `start`
+    environment_args: Any = None  # the environment's arguments for this sample (`metadata["environment"]["args"]`)
 
 
 @attrs.define(eq=False, slots=True)
@@ -73,6 +74,8 @@ class TurnScratch:
     results: list[CallResult] = attrs.field(factory=list)  # answers to this turn's calls
     observation_ids: list[int] = attrs.field(factory=list)
     env_reply: Any = None  # the environment's `Reply` to this turn
+    env_seconds: float = 0.0  # how long the environment took to answer it
+    env_blocked: float = 0.0  # how long it held the event loop at once while answering, when that stalled others
 
 
 @attrs.define(eq=False, slots=True)
@@ -115,6 +118,8 @@ class Record:
     # Per /generate call, the meta_info counters slime accumulates (cached_tokens, spec_*...).
     call_stats: list[dict[str, int]] = attrs.field(factory=list)
     env_reason: str | None = None  # why the environment ended the episode, in its own words
+    env_success: bool | None = None  # whether it says the episode reached its goal
+    env_seconds: float = 0.0  # time in the environment: start, every answer, end
 
 
 @attrs.frozen
@@ -151,6 +156,8 @@ class Rollout:
     tool_sessions: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool name
     env_episode: Any = None  # what the environment's `start` returned (env_started: it was called)
     env_started: bool = False
+    # The episode's chat messages as `respond` sees them, recorded as turns happen (None: no environment).
+    conversation: list[dict[str, Any]] | None = None
     # Partial rollout: what RESET made of the caller's checkpoint, and how far the last turn got.
     resume: Restored | None = None
     resume_rejected: str | None = None

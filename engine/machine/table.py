@@ -99,6 +99,7 @@ def core_edges() -> list[Edge]:
     return [
         # source          trigger               dest            guard                       actions (, reasons its actions record instead)
         E(S.RESET,        T.START,              S.BUDGET_CHECK, None,                       (a.reset_rollout,)),
+        E(S.RESET,        T.ENV_FAILED,         S.FAILED,       None,                       (a.reset_rollout,)),
         E(S.RESET,        T.RESUME,             S.RESUME,       g.checkpoint_valid,         (a.restore_checkpoint,)),
         E(S.RESET,        T.RESUME,             S.BUDGET_CHECK, otherwise,                  (a.reset_rollout,)),
         E(S.RESUME,       T.CONTINUE,           S.TOOL_CALL,    g.tools_pending,            (a.plan_tool_calls,)),

@@ -159,8 +159,9 @@ class EngineConfig:
                                   flag=Flag("--tool-timeout", "S", TOOLS), help="seconds a tool call may run")
     tool_concurrency: int = setting(32, low=1, high=4096, cap=True, help="tool calls running at once (per event loop)")
     tool_output_chars: int = setting(8192, low=1, high=10**8, help="characters of a tool's output kept")
-    tools: tuple[str, ...] | None = setting(unset="every registered tool", flag=Flag("--tools", "A,B", TOOLS, help="offer only these tools"),
-                                            help="the tools offered")
+    tools: tuple[str, ...] | None = setting(unset="every registered tool",
+                                            flag=Flag("--tools", "A,B", TOOLS, help='offer only these tools ("": none)'),
+                                            help="the tools offered ([] or \"\": none, e.g. for an environment's episodes)")
     tool_modules: tuple[str, ...] = setting((), flag=Flag("--tool-module", "MODULE", TOOLS, repeatable=True, dest="tool_modules",
                                                           help="import this module so the tools it registers are offered"),
                                             help="modules imported so their tools (and environments, formats, settings) register")
@@ -168,6 +169,13 @@ class EngineConfig:
                                       flag=Flag("--environment", "NAME", TOOLS,
                                                 help="the environment answering turns that call no tool, e.g. user_simulator"),
                                       help="the environment answering model turns that call no tool")
+    # How reward_func combines per-turn rewards and the answer's (engine.profiles.reward.RewardRule).
+    reward_rule: str = setting("sum", choices=("sum", "discounted", "last", "weighted"),
+                               help="how reward_func combines the per-turn rewards (environment's, tools') and the answer's: "
+                                    "sum, discounted (turn t weighs discount^(t-1)), last (the last turn's alone) or weighted")
+    reward_discount: float = setting(0.9, low=0, high=1, above_low=True, help="the discounted rule's factor per model turn")
+    reward_turn_weight: float = setting(1.0, low=-1e6, high=1e6, help="the weighted rule's weight of the per-turn rewards' sum")
+    reward_answer_weight: float = setting(1.0, low=-1e6, high=1e6, help="the weighted rule's weight of the answer's reward")
     request_timeout: float = setting(1800.0, low=0, high=7 * DAY, above_low=True, help="seconds one /generate request may take")
     connect_timeout: float = setting(10.0, low=0, high=3600, above_low=True, help="seconds to connect to the server")
     # routing replay replies run to 100s of MB

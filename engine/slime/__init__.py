@@ -23,10 +23,11 @@ from typing import Any
 from engine.settings import EngineConfig
 from engine.loop.attempts import run_attempts
 from engine.loop.driver import new_rollout
+from engine.loop.environment import UnknownEnvironment, read_choice
 from engine.loop.preflight import log_tool_problems
 from engine.loop.runtime import Runtime
 from engine.machine.rollout import Rollout
-from engine.profiles.reward import retool_score
+from engine.profiles.reward import RewardRule, retool_score, turn_rewards_by_turn
 from engine.slime import compat
 from engine.slime.dashboard import log_rollout  # noqa: F401  (slime loads it by this path)
 from engine.slime.sample_io import (
@@ -74,6 +75,15 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
         return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt))
     except Exception as exc:  # a sample object whose attributes raise
         return _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params, _placeholder(rt))
+    try:
+        choice = read_choice(inp.metadata)
+        environment = rt.environments.chosen(choice)
+    except UnknownEnvironment as exc:  # the dataset names one that is not registered, or names it badly
+        return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt))
+    except Exception as exc:  # its setup failed (a setting it needs): every sample naming it says so
+        _log_setup_failure(exc)
+        return _unrolled(sample, SETUP_FAILED, f"environment {choice.name}: {type(exc).__name__}: {exc}", rt.cfg,
+                         sampling_params, _placeholder(rt))
     current: list[Rollout] = []
     try:
         saved = read_checkpoint(sample) if rt.cfg.partial_rollout else None
@@ -89,7 +99,8 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
             # Only the first attempt may resume a checkpoint; a re-run starts from RESET.
             return new_rollout(rt, inp.prompt, inp.sampling_params, saved=saved if number == 1 else None,
                                routing_key=inp.routing_key, tools_requested=inp.tool_names,
-                               tool_schemas=inp.tool_schemas, metadata=inp.metadata)
+                               tool_schemas=inp.tool_schemas, metadata=inp.metadata, environment=environment,
+                               environment_args=dict(choice.args))
 
         outcome = await run_attempts(rt, make, on_start=current.append)
     except asyncio.CancelledError:
@@ -185,27 +196,56 @@ def _log_setup_failure(exc: Exception) -> None:
 
 
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
-    """retool's reward, plus the per-turn rewards an environment or a tool recorded.
+    """The episode's reward: its per-turn rewards and its answer's, combined by the declared rule.
 
-    The answer's score: the boxed answer of the model's own final text against `sample.label`,
-    nudged towards using tools (tool output never counts: a program that prints an answer earns
-    the no-answer reward). Per-turn rewards (`metadata["fsm"]["turn_rewards"]`, each with its
-    turn's token span) are summed into `turn_reward`. `score` is then:
-    - with an environment (`engine_environment`): `turn_reward` alone, as the environment judges
-      the episode, and a conversation has no boxed answer to check;
-    - without one: the answer's score plus `turn_reward` (tools' rewards shape it; 0 when none).
-    A trainer that wants the rewards per token reads the spans itself.
+    The answer's reward (`answer_score`): retool's check of the boxed answer in the model's own
+    final text against `sample.label`, nudged towards using tools (tool output never counts: a
+    program that prints an answer earns the no-answer reward). It counts for a sample without an
+    environment; with one, the environment judges the episode (a conversation has no boxed answer
+    to check). The per-turn rewards an environment or a tool gave (`turn_rewards`, each with its
+    model turn's token `span` in the response) and that answer make `score`, the scalar slime
+    trains on (`--reward-key score`), by `engine_reward_rule` (sum, discounted, last, weighted;
+    see `engine.profiles.reward.RewardRule`). `acc`: the episode succeeded: the right answer
+    without an environment; with one, what it said when it ended the episode (`Reply.success`),
+    else a positive score. `answer_span` is the last model turn's span, where the answer's
+    reward belongs. Never raises: unusable settings give score 0.0 with the `error`.
     """
     fsm = engine_metadata(sample)
     tool_calls = (fsm.get("tool_stats") or {}).get("calls", 0)
     text = fsm["final_text"] if isinstance(fsm.get("final_text"), str) else _own_text(sample, fsm)
     result = retool_score(text, getattr(sample, "label", None), int(tool_calls) if isinstance(tool_calls, int) else 0)
-    rewards = fsm.get("turn_rewards") or []
-    turn_reward = sum(float(t["reward"]) for t in rewards if isinstance(t, dict) and isinstance(t.get("reward"), (int, float)))
+    recorded = fsm.get("turn_rewards") if isinstance(fsm.get("turn_rewards"), list) else []
+    rewards = turn_rewards_by_turn(recorded)
+    environment = fsm.get("environment") if isinstance(fsm.get("environment"), dict) else None
+    turns = len(fsm["turns"]) if isinstance(fsm.get("turns"), (list, tuple)) else 0
     result["answer_score"] = result["score"]
-    result["turn_reward"] = turn_reward
-    result["score"] = turn_reward if fsm.get("environment") else result["score"] + turn_reward
+    result["turn_reward"] = sum(rewards.values())
+    result["turn_rewards"] = [dict(t) for t in recorded if isinstance(t, dict)]
+    result["answer_span"] = _last_model_span(fsm)
+    try:
+        rule = reward_rule(args)
+    except Exception as exc:  # settings slime's job cannot use: its samples already say so
+        return {**result, "score": 0.0, "acc": False, "error": f"{type(exc).__name__}: {exc}"}
+    result["rule"] = rule.name
+    result["score"] = rule.score(rewards, turns, None if environment else result["answer_score"])
+    if environment is not None:
+        success = environment.get("success")
+        result["acc"] = success if isinstance(success, bool) else result["score"] > 0
     return result
+
+
+def reward_rule(args: Any) -> RewardRule:
+    """The rule `args` declare (`engine_reward_*`)."""
+    cfg = EngineConfig.from_args(args)
+    return RewardRule(cfg.reward_rule, cfg.reward_discount, cfg.reward_turn_weight, cfg.reward_answer_weight)
+
+
+def _last_model_span(fsm: dict[str, Any]) -> list[int] | None:
+    """The last model turn's [start, end) in the response tokens, from the recorded segments."""
+    for seg in reversed(fsm.get("segments") or []):
+        if isinstance(seg, (list, tuple)) and len(seg) >= 3 and seg[0] == "model":
+            return [int(seg[1]), int(seg[2])]
+    return None
 
 
 def _own_text(sample: Any, fsm: dict[str, Any]) -> str:

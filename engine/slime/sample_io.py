@@ -211,7 +211,7 @@ def write_sample(
         _set(sample, "rollout_routed_experts", routed_experts_array(traj.padded_routed_experts() or b"", r))
     _set(sample, "weight_versions", list(r.record.weight_versions))
     if hasattr(sample, "non_generation_time"):
-        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds
+        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds + r.record.env_seconds
     add_call_stats(sample, r.record.call_stats)
     if r.reason in NOT_TRAINED or exhausted:
         sample.remove_sample = True  # slime keeps it in its group, trains none of it
@@ -325,7 +325,9 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
         meta["turn_rewards"] = rewards
     env = r.inputs.environment
     if env is not None:
-        meta["environment"] = {"name": getattr(env, "name", type(env).__name__), "reason": record.env_reason}
+        meta["environment"] = {"name": getattr(env, "name", type(env).__name__), "reason": record.env_reason,
+                               "success": record.env_success}
+        meta["environment_time"] = round(record.env_seconds, 6)
     if r.traj.experts is not None:
         meta["routed_experts_rows"] = r.traj.routed_rows  # from the server; the rest are padding
     if r.resume_rejected:

@@ -84,7 +84,7 @@ def test_the_simulated_user_and_the_model_hold_a_conversation_with_tool_calls_be
     sample = roll(args_for(server, engine_user_sim_api=api))
     fsm = sample.metadata["fsm"]
     assert (sample.status.name, fsm["termination_reason"]) == ("COMPLETED", "environment_done"), fsm.get("engine_error")
-    assert fsm["environment"] == {"name": "user_simulator", "reason": "user_stopped"}
+    assert fsm["environment"] == {"name": "user_simulator", "reason": "user_stopped", "success": None}
     states = [step[2] for step in fsm["trace"]]
     assert states.count("ENVIRONMENT") == 2 and "TOOL_CHECK_TIME" in states and "TOOL_BOOK_TABLE" in states
     # the conversation as the model saw it: its turns, the user's reply, the tools' answers
@@ -171,6 +171,9 @@ def test_the_simulator_reads_the_policy_without_markup_and_renders_chatml():
         "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="needs engine_user_sim_url"):
         EngineConfig.from_args(make_args()).set_up(UserSimulator())
-    episode = run(UserSimulator().start("Hi", {"user_instructions": "Be Ada."}))
+    episode = run(UserSimulator().start(envs.Task("Hi", {"user_instructions": "Be Ada."})))
     assert episode[1] == {"role": "assistant", "content": "Hi"} and "Be Ada." in episode[0]["content"]
+    # the sample's arguments for the environment win over its metadata
+    episode = run(UserSimulator().start(envs.Task("Hi", {"user_instructions": "Be Ada."}, {"user_instructions": "Be Bo."})))
+    assert "Be Bo." in episode[0]["content"] and "Be Ada." not in episode[0]["content"]
     assert isinstance(envs.get_environment("user_simulator"), UserSimulator)

@@ -374,7 +374,7 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
     class HangingEnvironment(envs.Environment):
         name = "hanging_test"
 
-        async def respond(self, episode: Any, text: str) -> envs.Reply:
+        async def respond(self, episode: Any, conversation: envs.Conversation) -> envs.Reply:
             await never.wait()
             return envs.Reply("")
 
