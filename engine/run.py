@@ -251,11 +251,12 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
     """Import the tool modules, check the tool names; returns the tools offered."""
     from engine import tools
 
-    if cfg.mcp_servers:  # the tool modules are imported by now (`settings_args`)
-        from engine.tools import mcp_servers
+    from engine.tools import mcp_servers
 
+    mcp = cfg.plugin(mcp_servers.McpSettings)
+    if mcp.servers:  # the tool modules are imported by now (`settings_args`)
         try:
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         except ValueError as exc:
             raise UsageError(f"{_origin(ns, 'engine_mcp_servers')}: {exc}") from None
     check_environment(ns, cfg)

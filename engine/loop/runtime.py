@@ -149,8 +149,9 @@ class Runtime:
         """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
         for module in cfg.tool_modules:
             importlib.import_module(module)
-        if cfg.mcp_servers:  # their tools register like a module's, before the machine is built
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+        mcp = cfg.plugin(mcp_servers.McpSettings)
+        if mcp.servers:  # their tools register like a module's, before the machine is built
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         configure_sandbox(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
@@ -184,8 +185,7 @@ class Runtime:
         """Close the environments, the MCP servers this loop started, and the HTTP pool."""
         try:
             await self.environments.aclose()
-            if self.cfg.mcp_servers:
-                await mcp_servers.close_connections()  # the servers this loop started end with the run
+            await mcp_servers.close_connections()  # the servers this loop started end with the run
         finally:
             await self.client.http.aclose()
 

@@ -176,9 +176,6 @@ class EngineConfig:
     reward_discount: float = setting(0.9, low=0, high=1, above_low=True, help="the discounted rule's factor per model turn")
     reward_turn_weight: float = setting(1.0, low=-1e6, high=1e6, help="the weighted rule's weight of the per-turn rewards' sum")
     reward_answer_weight: float = setting(1.0, low=-1e6, high=1e6, help="the weighted rule's weight of the answer's reward")
-    mcp_servers: tuple[str, ...] = setting((), flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, repeatable=True, dest="mcp_servers",
-                                                         help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL"),
-                                           help="MCP servers whose tools are offered: each a command line (stdio) or an http(s) URL")
     request_timeout: float = setting(1800.0, low=0, high=7 * DAY, above_low=True, help="seconds one /generate request may take")
     connect_timeout: float = setting(10.0, low=0, high=3600, above_low=True, help="seconds to connect to the server")
     # routing replay replies run to 100s of MB
@@ -301,7 +298,8 @@ class Sampling:
 
 # -- reading slime's args -------------------------------------------------------------------------
 
-BUILT_IN_PLUGINS = ("engine.envs",)  # packages whose shipped plugins declare settings (the user simulator)
+# packages whose shipped plugins declare settings (the user simulator, the MCP servers' tools)
+BUILT_IN_PLUGINS = ("engine.envs", "engine.tools.mcp_servers")
 _FROM_ARGS_CACHE = 64
 _from_args_cache: dict[Any, EngineConfig] = {}
 _watching: tuple[int, tuple[str, ...]] = (-1, ())
