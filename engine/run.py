@@ -41,6 +41,7 @@ from engine.settings.core import EngineConfig, Sampling, flagged_settings, load_
 from engine.settings.declare import SettingsError, declared_keys, read_key
 from engine.local.demos import demo_file, demo_replay
 from engine.local.sample import Sample
+from engine.sglang.client import request_once
 
 log = logging.getLogger("engine.settings")
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 128 + signal.SIGTERM
@@ -251,11 +252,12 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
     """Import the tool modules, check the tool names; returns the tools offered."""
     from engine import tools
 
-    if cfg.mcp_servers:  # the tool modules are imported by now (`settings_args`)
-        from engine.tools import mcp_servers
+    from engine.tools import mcp_servers
 
+    mcp = cfg.plugin(mcp_servers.McpSettings)
+    if mcp.servers:  # the tool modules are imported by now (`settings_args`)
         try:
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         except ValueError as exc:
             raise UsageError(f"{_origin(ns, 'engine_mcp_servers')}: {exc}") from None
     check_environment(ns, cfg)
@@ -403,7 +405,7 @@ def server_context_length(url: str) -> int | None:
     """The server's context length from `/server_info` (or its old alias); None if not told."""
     for route in ("/server_info", "/get_server_info"):
         try:
-            info = httpx.get(url.rstrip("/") + route, timeout=10, trust_env=False).json()
+            info = request_once("GET", url.rstrip("/") + route, timeout=10).json()
         except (httpx.HTTPError, ValueError):
             continue
         if isinstance(info, dict) and isinstance(info.get("context_length"), int):
@@ -414,7 +416,7 @@ def server_context_length(url: str) -> int | None:
 def check_reachable(url: str) -> str | None:
     """None when the server answers `/health`, else a sentence saying what went wrong."""
     try:
-        httpx.get(url.rstrip("/") + "/health", timeout=10, trust_env=False)
+        request_once("GET", url.rstrip("/") + "/health", timeout=10)
     except httpx.HTTPError as exc:
         return f"cannot reach the server at {url}: {type(exc).__name__}: {exc}"
     return None

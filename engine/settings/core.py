@@ -176,9 +176,6 @@ class EngineConfig:
     reward_discount: float = setting(0.9, low=0, high=1, above_low=True, help="the discounted rule's factor per model turn")
     reward_turn_weight: float = setting(1.0, low=-1e6, high=1e6, help="the weighted rule's weight of the per-turn rewards' sum")
     reward_answer_weight: float = setting(1.0, low=-1e6, high=1e6, help="the weighted rule's weight of the answer's reward")
-    mcp_servers: tuple[str, ...] = setting((), flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, repeatable=True, dest="mcp_servers",
-                                                         help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL"),
-                                           help="MCP servers whose tools are offered: each a command line (stdio) or an http(s) URL")
     # An agent brings its own loop (engine.agent): its model calls are the sample's turns.
     agent: str | None = setting(unset="none: the engine's own loop answers the model",
                                 flag=Flag("--agent", "CMD", AGENT,
@@ -266,10 +263,13 @@ class EngineConfig:
         limits = [n for n in (self.max_context_len, self.max_response_len and prompt_length + self.max_response_len) if n]
         return min(limits) if limits else None
 
-    def set_up(self, plugin: P) -> P:
-        """What `plugin.setup` makes of these settings: with its own as well when it declares them (`plugin.Settings`)."""
+    def set_up(self, plugin: P, **given: Any) -> P:
+        """What `plugin.setup` makes of these settings: with its own as well when it declares them (`plugin.Settings`).
+        `given` is what the engine hands it besides (an environment's `http`)."""
         own = getattr(plugin, "Settings", None)
-        return plugin.setup(self) if own is None else plugin.setup(self, self.plugin(own))  # type: ignore[attr-defined, no-any-return]
+        if own is None:
+            return plugin.setup(self, **given)  # type: ignore[attr-defined, no-any-return]
+        return plugin.setup(self, self.plugin(own), **given)  # type: ignore[attr-defined, no-any-return]
 
     def plugin(self, cls: type[T]) -> T:
         """The settings of the plugin whose settings class is `cls` (its defaults when they were not read)."""
@@ -316,7 +316,8 @@ class Sampling:
 
 # -- reading slime's args -------------------------------------------------------------------------
 
-BUILT_IN_PLUGINS = ("engine.envs",)  # packages whose shipped plugins declare settings (the user simulator)
+# packages whose shipped plugins declare settings (the user simulator, the MCP servers' tools)
+BUILT_IN_PLUGINS = ("engine.envs", "engine.tools.mcp_servers")
 _FROM_ARGS_CACHE = 64
 _from_args_cache: dict[Any, EngineConfig] = {}
 _watching: tuple[int, tuple[str, ...]] = (-1, ())
