@@ -363,13 +363,16 @@ MULTIPROCESSING = ("refused: its locks and pools need /dev/shm, which a run may 
 
 def cannot_hold(caps: _Capabilities, layers: dict[str, Any]) -> list[str]:
     """What the sandbox cannot hold on this host, in words (see docs/sandbox-modes.md)."""
-    gaps = []
+    gaps = ["signals between concurrent runs through a futex on a file page they all map (the interpreter's): "
+            "the kernel keys it by the file; only separate machines hold it"]
     if not caps.mntns:
         gaps.append("total disk use of a run: no private tmpfs, RLIMIT_FSIZE bounds each file only")
         gaps.append("sizes and owners of files outside the work dir that the run's uid may look up: Landlock does "
                     "not mediate stat, only a mount namespace hides a path")
     if caps.cgroup == "rlimits":
-        gaps.append("memory and tasks across a run's processes: per-process rlimits sized to the budget only")
+        gaps.append("memory and tasks across a run's processes: per-process rlimits sized to the budget only; the "
+                    "page tables behind a sparse address space (up to twice it) are counted by none: the runs are "
+                    "the OOM killer's first choice")
     if not caps.root:
         gaps.append("RLIMIT_NPROC counts all of this user's processes: a run's processes share one budget "
                     "with the engine and the user's other runs")
@@ -648,11 +651,14 @@ class _Collector:
 
 
 def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """`data` in a sealed memfd: the run may read it, never write it, grow it or shrink it (its
+    pages are the engine's, outside the run's budget where no cgroup counts them)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
     os.lseek(fd, 0, os.SEEK_SET)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
     return fd
 
 

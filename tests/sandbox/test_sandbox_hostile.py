@@ -104,6 +104,27 @@ def test_remove_tree_says_what_it_could_not_remove(tmp_path: Path) -> None:
     assert child.remove_tree(str(top)) == "" and not top.exists()
 
 
+def test_a_tree_too_big_for_the_clock_is_removed_whole_once_nothing_of_the_run_is_alive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run on many cores makes entries faster than one process removes them. Here every reading of
+    # the clock is a minute later: on a clock, removal stops at once; once the run's processes are
+    # gone (a process group that is no more), the tree is finite and goes whole.
+    top = tmp_path / "work"
+    for i in range(20):
+        (top / f"d{i}").mkdir(parents=True)
+        (top / f"d{i}" / "f").write_text("x")
+    now = [0.0]
+
+    def minute_later() -> float:
+        now[0] += 60.0
+        return now[0]
+
+    monkeypatch.setattr(child.time, "monotonic", minute_later)
+    assert "TimeoutError" in child.remove_tree(str(top)) and top.exists()
+    assert child.clean_group(None, str(top)) == (0, "")
+    assert not top.exists()
+
+
 @pytest.fixture
 def two_uids(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, int]]:
     """Runs without namespaces (the work dir on the host, as in a default container) on two uids."""
