@@ -413,17 +413,24 @@ def reaped(wake: int | None = None) -> list[tuple[int, int]]:
         done.append((pid, os.waitstatus_to_exitcode(status)))
 
 
-def _has_processes(uid: int) -> bool:
-    """As `uid`: whether another live process of it exists. kill(-1, 0) reaches exactly the
-    uid's processes (cheap, and usually ESRCH); only when it hits something is /proc read,
-    because a zombie waiting for its reaper counts for kill() but holds nothing."""
+def _signalable() -> bool:
+    """As a uid: whether kill(-1) reaches any other process of it (a zombie included)."""
     try:
         os.kill(-1, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return _living(uid)
+    return True
+
+
+def _has_processes(uid: int) -> bool:
+    """As `uid`: whether another live process of it exists. kill(-1, 0) reaches exactly the
+    uid's processes (cheap, and usually ESRCH); only when it hits something is /proc read,
+    because a zombie waiting for its reaper counts for kill() but holds nothing. The scan is
+    not one instant: a chain of processes that each fork and exit at once is never where it
+    looks, so it only says whether something is left after a kill(-1), never whether to kill."""
+    return _signalable() and _living(uid)
 
 
 def _living(uid: int) -> bool:
@@ -460,11 +467,22 @@ def seal_session_keyring(libc: Libc) -> None:
 
 
 def cgroups_busy(cgroups: list[list[Any]]) -> bool:
-    """Whether any task is left in the run's cgroups (tasks cannot leave them by themselves)."""
+    """Whether any task is left in the run's cgroups (tasks cannot leave them by themselves).
+    Read from a counter where there is one (v2's `populated`, the pids controller's count, which
+    holds a task from its fork until it is reaped): listing `cgroup.procs` is no instant, and a
+    chain of processes that each fork and exit at once can be missed by it."""
     for path, _ in cgroups:
         try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                if f.read().strip():
+            events = os.path.join(path, "cgroup.events")
+            if os.path.exists(events):
+                with open(events) as f:
+                    if "populated 1" in f.read():
+                        return True
+                continue
+            counter = os.path.join(path, "pids.current")
+            name = counter if os.path.exists(counter) else os.path.join(path, "cgroup.procs")
+            with open(name) as f:
+                if f.read().strip() not in ("", "0"):
                     return True
         except OSError:
             return True  # cannot tell: clean anyway
@@ -653,8 +671,9 @@ def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) 
     `CLEAN_LEFT` with the reason when something survived."""
     become(uid)
     lib = libc()
-    found = _has_processes(uid)
-    if found:
+    found = False
+    if _signalable():  # a live process, or a zombie: kill either way, a scan could miss a fork chain
+        found = _living(uid)
         os.kill(-1, signal.SIGKILL)  # atomic with respect to fork, unlike any scan
         deadline = time.monotonic() + 5
         while _has_processes(uid) and time.monotonic() < deadline:  # pending until each one runs

@@ -125,6 +125,30 @@ def test_a_tree_too_big_for_the_clock_is_removed_whole_once_nothing_of_the_run_i
     assert not top.exists()
 
 
+def test_a_run_cgroup_is_busy_by_its_counter_not_by_a_listing(tmp_path: Path) -> None:
+    # A fork chain is never in a listing of cgroup.procs for long; the pids controller's count and
+    # v2's `populated` hold each task from its fork until it is reaped.
+    v1 = tmp_path / "pids"
+    v1.mkdir()
+    (v1 / "cgroup.procs").write_text("")  # the listing missed it
+    (v1 / "pids.current").write_text("1\n")
+    assert child.cgroups_busy([[str(v1), []]])
+    (v1 / "pids.current").write_text("0\n")
+    assert not child.cgroups_busy([[str(v1), []]])
+    v2 = tmp_path / "unified"
+    v2.mkdir()
+    (v2 / "cgroup.procs").write_text("")
+    (v2 / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    assert child.cgroups_busy([[str(v2), []]])
+    (v2 / "cgroup.events").write_text("populated 0\nfrozen 0\n")
+    assert not child.cgroups_busy([[str(v2), []]])
+    memory = tmp_path / "memory"  # no counter: the listing it is
+    memory.mkdir()
+    (memory / "cgroup.procs").write_text("42\n")
+    assert child.cgroups_busy([[str(v1), []], [str(memory), []]])
+    assert child.cgroups_busy([[str(tmp_path / "gone"), []]])  # cannot tell: clean
+
+
 @pytest.fixture
 def two_uids(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, int]]:
     """Runs without namespaces (the work dir on the host, as in a default container) on two uids."""

@@ -1,7 +1,8 @@
 """Attacks through what the allowlist admits, with arguments its table did not think of, and
 through what the kernel shares beneath every run: a host file's flags set by `ioctl`, a
 descriptor's signal owner aimed at the engine, a futex woken across runs, page tables of a sparse
-address space, a crash's core dump, real-time scheduling, the stdin the engine hands over.
+address space, a crash's core dump, real-time scheduling, the stdin the engine hands over, and a
+chain of processes that each fork and exit at once, which no scan of the process table catches.
 
 Registered on import (see `engine.sandbox.attacks.suite`), last. Each verdict is read from outside
 the run: the host file's flags, the signals the engine received, when a concurrent run's wait
@@ -314,3 +315,41 @@ time.sleep(0.4)
     return Verdict(contained, f"sealed: write -> {tries.get('write', '-')}, grow -> {tries.get('grow', '-')}, "
                    f"shrink -> {tries.get('shrink', '-')}",
                    f"the run's stdin seen from the host: {sizes or '?'} bytes (handed {len(given)})")
+
+
+@attack("a fork chain that outruns every scan of the process table")
+async def fork_chain(lab: Lab) -> Verdict:
+    tag = "fc" + uuid.uuid4().hex[:6]
+    # Each process forks its successor and exits at once: the live one is a new pid at every instant,
+    # never where a listing of /proc (or of a cgroup) looks. The run itself ends at once.
+    code = NAMED.format(tag=tag) + """
+if os.fork() == 0:
+    os.setsid()  # out of the run's process group too, where the run has a uid of its own
+    while True:
+        try:
+            if os.fork() != 0:
+                os._exit(0)
+        except OSError:
+            pass
+"""
+    run = await lab.run(code)
+    seen = []
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:  # a chain keeps showing new pids; a dead one shows none
+        seen += [p for p in processes(comm_prefix=tag) if p not in seen]
+        await asyncio.sleep(0.02)
+    for _ in range(50):  # observed: now end what is left, by its process group (atomic with respect to fork)
+        left = processes(comm_prefix=tag)
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except OSError:
+                pass
+        await asyncio.sleep(0.01)
+    contained = not seen
+    return Verdict(contained, "after the run, kill(-1) as its uid (atomic with respect to fork) whenever any "
+                   "process of the uid is left, however a scan saw it; or the process group, kept whole",
+                   f"{len(seen)} processes of the chain seen in the 0.5 s after the call returned (exit "
+                   f"{run.result.returncode}, killed {run.result.killed})")
