@@ -1,4 +1,4 @@
-"""`python -m engine run | serve | diagram | trace | flow | bench | soak | settings | attacks`.
+"""`python -m engine run | agent | serve | diagram | trace | flow | bench | soak | settings | attacks`.
 
 Each command's work lives in its own module, imported only when the command runs, so
 `python -m engine diagram` does not load torch. A bad argument is one line on stderr
@@ -164,6 +164,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                   "option sets. Exit status: 0 done, 1 every sample or every tool call failed (or a tool cannot "
                   "work), 2 a bad argument, 130 interrupted (what finished is kept).")
     add_run_arguments(run)
+
+    agent = command("agent", _lazy("engine.run:main_agent"), "run an agent per prompt against a server "
+                    "(default: the demo's agent and the embedded server) and write its samples: `agent [options] -- CMD ...`")
+    agent.epilog = ("CMD is the harness's command line; it gets OPENAI_BASE_URL, ANTHROPIC_BASE_URL and their keys set to "
+                    "its session, the prompt in ENGINE_AGENT_PROMPT (and in place of {prompt} in CMD). The options "
+                    "are run's. Exit status as run's.")
+    add_run_arguments(agent)
+    agent.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the harness's command line")
 
     serve = command("serve", _lazy("engine.local.server:main_serve"), "serve SGLang's /generate API from a small CPU model")
     from engine.local.server import add_serve_arguments

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -40,6 +41,7 @@ from engine.settings.core import EngineConfig, Sampling, flagged_settings, load_
 from engine.settings.declare import SettingsError, declared_keys, read_key
 from engine.local.demos import demo_file, demo_replay
 from engine.local.sample import Sample
+from engine.sglang.client import request_once
 
 log = logging.getLogger("engine.settings")
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 128 + signal.SIGTERM
@@ -250,11 +252,12 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
     """Import the tool modules, check the tool names; returns the tools offered."""
     from engine import tools
 
-    if cfg.mcp_servers:  # the tool modules are imported by now (`settings_args`)
-        from engine.tools import mcp_servers
+    from engine.tools import mcp_servers
 
+    mcp = cfg.plugin(mcp_servers.McpSettings)
+    if mcp.servers:  # the tool modules are imported by now (`settings_args`)
         try:
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         except ValueError as exc:
             raise UsageError(f"{_origin(ns, 'engine_mcp_servers')}: {exc}") from None
     check_environment(ns, cfg)
@@ -315,6 +318,19 @@ def check_budgets(ns: argparse.Namespace, cfg: EngineConfig, max_new_tokens: int
                          f"{_origin(ns, 'rollout_max_context_len')} {cfg.max_context_len}")
 
 
+def check_agent(ns: argparse.Namespace, cfg: EngineConfig) -> None:
+    """The agent must be nameable and its profile render chat messages (chat)."""
+    from engine.agent.harness import HarnessSpec
+
+    try:
+        HarnessSpec.parse(cfg.agent or "")
+    except ValueError as exc:
+        raise UsageError(f"{_origin(ns, 'engine_agent')}: {exc}") from None
+    if cfg.profile != "chat":
+        raise UsageError(f"{_origin(ns, 'engine_agent')}: an agent needs the chat profile "
+                         f"({_origin(ns, 'engine_profile')} is {cfg.profile})")
+
+
 def plan_run(ns: argparse.Namespace) -> Plan:
     """Check every argument, cheapest first; raises UsageError (or CannotRun for a dead tool)."""
     in_path = ns.input or demo_file("prompts.jsonl")
@@ -345,16 +361,20 @@ def plan_run(ns: argparse.Namespace) -> Plan:
     offered = check_tools(ns, cfg)  # first: a tool module may register the profile or parser named
     check_sample_environments(cfg, samples)
     tokenizer = check_tokenizer(ns, cfg)
-    from engine.loop.preflight import check_tools_sync, describe
+    if cfg.agent is not None:
+        check_agent(ns, cfg)
+    else:  # an agent runs its own tools: the engine's are not offered
+        from engine.loop.preflight import check_tools_sync, describe
 
-    problems = check_tools_sync(offered)
-    if problems:
-        raise CannotRun(f"{describe(problems)}; nothing was rolled out")
+        problems = check_tools_sync(offered)
+        if problems:
+            raise CannotRun(f"{describe(problems)}; nothing was rolled out")
     params = {"temperature": sampling.rollout_temperature, "top_p": sampling.rollout_top_p,
               "max_new_tokens": sampling.rollout_max_response_len, "no_stop_trim": True,
               "skip_special_tokens": False, "spaces_between_special_tokens": False}
     progress = not ns.no_progress and sys.stderr.isatty()
-    return Plan(cfg, samples, params, ns.output, server, replay, tokenizer, progress, tuple(offered))
+    return Plan(cfg, samples, params, ns.output, server, replay, tokenizer, progress,
+                tuple(offered) if cfg.agent is None else ())  # an agent runs its own tools
 
 
 SANDBOXED_TOOLS = ("code_interpreter", "python_session")  # the built-in tools that run model code in the sandbox
@@ -385,7 +405,7 @@ def server_context_length(url: str) -> int | None:
     """The server's context length from `/server_info` (or its old alias); None if not told."""
     for route in ("/server_info", "/get_server_info"):
         try:
-            info = httpx.get(url.rstrip("/") + route, timeout=10, trust_env=False).json()
+            info = request_once("GET", url.rstrip("/") + route, timeout=10).json()
         except (httpx.HTTPError, ValueError):
             continue
         if isinstance(info, dict) and isinstance(info.get("context_length"), int):
@@ -396,7 +416,7 @@ def server_context_length(url: str) -> int | None:
 def check_reachable(url: str) -> str | None:
     """None when the server answers `/health`, else a sentence saying what went wrong."""
     try:
-        httpx.get(url.rstrip("/") + "/health", timeout=10, trust_env=False)
+        request_once("GET", url.rstrip("/") + "/health", timeout=10)
     except httpx.HTTPError as exc:
         return f"cannot reach the server at {url}: {type(exc).__name__}: {exc}"
     return None
@@ -430,7 +450,7 @@ def embedded_server(plan: Plan) -> Iterator[str]:
 async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
     """Run every pending sample; append each finished one to `out_path` as it ends. Returns the retries."""
     from engine.loop.runtime import Runtime
-    from engine.slime import reward_func, run_sample
+    from engine.slime import reward_func, run_agent_sample, run_sample
 
     rt = Runtime.create(cfg, tokenizer=plan.tokenizer)
     gate = asyncio.Semaphore(cfg.max_connections)
@@ -449,10 +469,16 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
 
         async def one(sample: Sample) -> None:
             async with gate:
-                await run_sample(rt, sample, dict(plan.params))
-                if sample.status.name in ("COMPLETED", "TRUNCATED", "FAILED"):
-                    sample.reward = await reward_func(None, sample)
-            emit(sample)
+                if cfg.agent is not None:  # the agent's segments: one sample each
+                    out = await run_agent_sample(rt, sample, dict(plan.params))
+                    done = out if isinstance(out, list) else [out]
+                else:
+                    done = [await run_sample(rt, sample, dict(plan.params))]
+                for each in done:
+                    if each.status.name in ("COMPLETED", "TRUNCATED", "FAILED") and each.reward is None:
+                        each.reward = await reward_func(None, each)
+            for each in done:
+                emit(each)
 
         for sample in plan.samples:
             if sample.status is not Sample.Status.PENDING:
@@ -468,6 +494,10 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if cfg.agent is not None:
+                from engine.agent.serving import close_served
+
+                await close_served(rt)
             await rt.aclose()
             if bar is not None:
                 bar.close()
@@ -568,6 +598,30 @@ def _run_planned(plan: Plan) -> int:
     return report(done, plan, wall, retries, interrupted)
 
 
+def main_agent(ns: argparse.Namespace) -> int:
+    """`python -m engine agent [options] -- CMD ...`: `run` with an agent per prompt.
+
+    CMD (everything after `--`) is the harness's command line; without one, the demo's agent
+    (`engine.local.agent_demo`) runs the demo's prompts against the embedded server, whose
+    replay teaches it the task. The profile is chat unless set.
+    """
+    command = list(ns.command or [])
+    if command[:1] == ["--"]:
+        command = command[1:]
+    demo = not command and ns.agent is None
+    if command:
+        ns.agent = shlex.join(command)
+    elif demo:
+        ns.agent = shlex.join([sys.executable, "-m", "engine.local.agent_demo"])
+    if demo or ns.input is None:
+        ns.input = ns.input or demo_file("agent-prompts.jsonl")
+    if ns.replay is None and not ns.server:
+        ns.replay = demo_file("replay-agent.jsonl")
+    if ns.profile is None:
+        ns.profile = "chat"
+    return main_run(ns)
+
+
 def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | None, interrupted: int | None) -> int:
     """Print the summary; the exit status says whether the batch as a whole failed (or how it was stopped)."""
     from engine.profiles.tokenizer import Codec
@@ -587,5 +641,5 @@ def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | N
     return 0
 
 
-__all__ = ["CannotRun", "Plan", "UsageError", "expand_groups", "flag_keys", "main_run", "plan_run",
+__all__ = ["CannotRun", "Plan", "UsageError", "expand_groups", "flag_keys", "main_agent", "main_run", "plan_run",
            "read_prompts", "run_defaults", "settings_args"]

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import build_parser
+from engine.settings.core import load_plugins
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tools" / "README.md"]
@@ -49,6 +50,7 @@ FOREIGN: dict[str, str] = {
     "--reuid": "setpriv", "--regid": "setpriv", "--bounding-set": "setpriv", "--clear-groups": "setpriv",
     "--address": "ray start", "--resources": "ray start",
     "--greeting": "greeter.py, docs/tools.md's example plugin (`run` offers it once given the module)",
+    "--repository": "mcp-server-git",
 }
 
 
@@ -58,7 +60,10 @@ def _help_flags(text: str) -> frozenset[str]:
 
 @cache
 def engine_commands() -> dict[str, frozenset[str]]:
-    """Each `python -m engine` command and the flags its `--help` lists."""
+    """Each `python -m engine` command and the flags its `--help` lists (with the built-in plugins' flags,
+    which `python -m engine` loads before it builds its parser)."""
+    load_plugins(())
+
     def help_of(*argv: str) -> str:
         out = io.StringIO()
         with contextlib.redirect_stdout(out), pytest.raises(SystemExit):

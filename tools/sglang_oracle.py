@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """SGLang's own reading of the format corpus, written as JSON: the differential test's oracle.
 
 Runs inside a scratch venv holding sglang==0.5.23 (built by `tools/sglang_oracle_venv.sh`;

@@ -29,16 +29,17 @@ once the sample ends, whatever happened. `respond`'s text is appended as the nex
 (COMPLETED, reason `environment_done`, the environment's `reason` text recorded). Each call is
 bounded by `engine_tool_timeout`; a plain (not async) method runs in a worker thread.
 An environment's own settings are a class of them under its own prefix, named as its `Settings`
-and handed to its `setup` (see `Environment`). Like `engine.tools`, this package imports nothing
+and handed to its `setup` (see `Environment`), with the engine's HTTP client (`HttpClient`: its
+pool, reply cap and retry policy) for one that asks a service. Like `engine.tools`, this package imports nothing
 else of the engine but the settings' declarations: arrows run one way.
 """
 
-from engine.envs.base import (NONE, Conversation, Environment, EnvironmentFailed, Opening, Reply, Task, check_opening,
-                              check_reply, environment_names, get_environment, register_environment,
+from engine.envs.base import (NONE, Conversation, Environment, EnvironmentFailed, HttpClient, Opening, Reply, Task,
+                              check_opening, check_reply, environment_names, get_environment, register_environment,
                               registered_environment, unregister_environment)
 
 from engine.envs import user_simulator  # noqa: E402,F401,I001  (registers the shipped example)
 
-__all__ = ["NONE", "Conversation", "Environment", "EnvironmentFailed", "Opening", "Reply", "Task", "check_opening",
+__all__ = ["NONE", "Conversation", "Environment", "EnvironmentFailed", "HttpClient", "Opening", "Reply", "Task", "check_opening",
            "check_reply", "environment_names", "get_environment", "register_environment", "registered_environment",
            "unregister_environment"]

@@ -8,7 +8,7 @@ import inspect
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import attrs
 
@@ -92,6 +92,15 @@ class EnvironmentFailed(Exception):
     """
 
 
+class HttpClient(Protocol):
+    """The engine's HTTP client, as `setup` hands it: the pool, reply cap and retry policy of `/generate`."""
+
+    async def post_json(self, url: str, body: Any, *, timeout: float) -> Any:
+        """POST `body` as JSON to `url` and return the reply's JSON, all attempts within `timeout`
+        seconds (transient failures are retried). Raises on failure, saying what happened."""
+        ...  # pragma: no cover
+
+
 class Environment:
     """Base class of an environment. Subclasses set `name` and implement `respond`.
 
@@ -101,7 +110,9 @@ class Environment:
     `setup(cfg, settings)` is called once per engine runtime with the engine's settings (`cfg`, an
     `EngineConfig`: e.g. `cfg.tool_timeout`) and the environment's own (an environment without
     `Settings` is called with `cfg` alone), and returns the environment that runtime uses: by
-    default `self`. `aclose` is called when the runtime closes.
+    default `self`. A `setup` that takes `http` also gets the engine's HTTP client (`HttpClient`;
+    None when the settings are only being checked): an environment that asks a service (a second
+    model, a judge) keeps it and asks through it. `aclose` is called when the runtime closes.
 
     `start`, `respond` and `end` may be plain functions instead of coroutines: a plain one runs
     in a worker thread, off the event loop, so a blocking call in it (a solver, a database, a
@@ -113,8 +124,8 @@ class Environment:
     name: ClassVar[str] = ""
     Settings: ClassVar[type | None] = None
 
-    def setup(self, cfg: Any, settings: Any = None) -> Environment:
-        """The environment one runtime uses (override to read settings or open clients)."""
+    def setup(self, cfg: Any, settings: Any = None, http: HttpClient | None = None) -> Environment:
+        """The environment one runtime uses (override to read settings or keep `http`)."""
         return self
 
     async def start(self, task: Task) -> Any:

@@ -13,8 +13,10 @@ answer comes back as the next user turn. The user ends the episode by writing `#
 OpenAI-compatible `/v1/chat/completions`; with `api: generate` through SGLang's `/generate`,
 the conversation rendered as ChatML text (Qwen-style markup; use `chat` for other templates).
 
-A simulator that fails (the connection refused, an HTTP error, no answer within
-`engine_tool_timeout`, a body that is not what the API returns, an empty message) raises
+Its requests go through the engine's HTTP client (`setup`'s `http`): the loop's connection pool,
+the reply cap (`engine_max_reply_bytes`) and the retry policy (`engine_retry_*`) of `/generate`.
+A simulator that fails (the connection refused, an HTTP error after the retries, no answer
+within `engine_tool_timeout`, a body that is not what the API returns, an empty message) raises
 `EnvironmentFailed`: the engine ends the sample with that reason recorded, never a crash.
 """
 
@@ -65,18 +67,20 @@ class UserSimulator(envs.Environment):
     Settings = UserSimulatorSettings
 
     def __init__(self, settings: UserSimulatorSettings | None = None,
-                 timeout: float = default_of(EngineConfig, "tool_timeout")) -> None:
+                 timeout: float = default_of(EngineConfig, "tool_timeout"), http: envs.HttpClient | None = None) -> None:
         settings = settings or UserSimulatorSettings()
         self.url, self.api, self.model = settings.url, settings.api, settings.model
         self.temperature, self.max_tokens, self.timeout = settings.temperature, settings.max_tokens, timeout
-        self._http: Any = None  # an httpx.AsyncClient, opened at the first request
+        self.http = http  # the engine's client, handed to `setup`
 
-    def setup(self, cfg: Any, settings: UserSimulatorSettings | None = None) -> UserSimulator:
-        """A simulator for one runtime: its own settings (`engine_user_sim_*`), the engine's tool timeout."""
+    def setup(self, cfg: Any, settings: UserSimulatorSettings | None = None,
+              http: envs.HttpClient | None = None) -> UserSimulator:
+        """A simulator for one runtime: its own settings (`engine_user_sim_*`), the engine's tool
+        timeout, and the engine's HTTP client to ask the second model through."""
         settings = settings or UserSimulatorSettings()
         if not settings.url:
             raise ValueError("engine_environment user_simulator needs engine_user_sim_url (the second model's URL)")
-        return UserSimulator(settings, cfg.tool_timeout)
+        return UserSimulator(settings, cfg.tool_timeout, http)
 
     async def start(self, task: envs.Task) -> list[dict[str, str]]:
         """The simulated user's side of the conversation: its instructions and its first message."""
@@ -99,26 +103,13 @@ class UserSimulator(envs.Environment):
             return envs.Reply(done=True, reason="user_stopped")
         return envs.Reply(message)
 
-    async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
-
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        import httpx  # here, not at import: a sandbox host imports the engine without its client
-
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self.timeout, trust_env=False)
+        if self.http is None:
+            raise envs.EnvironmentFailed("user simulator: no HTTP client (the engine hands its own to setup)")
         try:
-            response = await self._http.post(self.url + path, json=body)
-        except httpx.HTTPError as exc:
-            raise envs.EnvironmentFailed(f"user simulator at {self.url}: {type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
-            raise envs.EnvironmentFailed(f"user simulator at {self.url}{path}: HTTP {response.status_code}: {response.text[:200]}")
-        try:
-            return response.json()
-        except ValueError:
-            raise envs.EnvironmentFailed(f"user simulator at {self.url}{path}: the body is not JSON") from None
+            return await self.http.post_json(f"{self.url}{path}", body, timeout=self.timeout)
+        except Exception as exc:  # the client says what failed: refused, an HTTP status, a body that is not JSON
+            raise envs.EnvironmentFailed(f"user simulator at {self.url}{path}: {exc}") from None
 
     async def _chat(self, messages: list[dict[str, str]]) -> str:
         body = await self._post("/v1/chat/completions", {"model": self.model, "messages": messages,

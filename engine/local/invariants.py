@@ -24,11 +24,19 @@ OUTSIDE_REASONS: dict[str, str] = {
     "attempts_exhausted": "FAILED",  # no attempt finished (engine.loop.attempts); remove_sample
     "bad_sample_input": "FAILED",  # never reached the machine: prompt, tools or sampling params unusable
     "engine_setup_failed": "FAILED",  # never reached the machine: settings or tokenizer unusable
+    "harness_made_no_call": "FAILED",  # never reached the machine: an agent's harness never called the model
+    # an agent's segment a history break closed: one sample, COMPLETED, the break its reason
+    "reasoning_dropped": "COMPLETED",
+    "turn_rewritten": "COMPLETED",
+    "history_compacted": "COMPLETED",
+    "history_forked": "COMPLETED",
+    "history_contradicts": "COMPLETED",
 }
 # A stand-in tool name: every tool's state adds the same reasons (`tool_unavailable`).
 REASON_STATUS: dict[str, str] = {**MachineSpec.from_registry(tool_names=("any",)).reason_statuses(), **OUTSIDE_REASONS}
 # Reasons of samples that never reached the machine: no trace.
-UNROLLED_REASONS = frozenset({"bad_sample_input", "engine_setup_failed"})
+UNROLLED_REASONS = frozenset({"bad_sample_input", "engine_setup_failed", "harness_made_no_call"})
+BREAK_DEST = "BUDGET_CHECK"  # where a break's edge leads: the next segment's path begins there
 # A sample no attempt finished ends FAILED, its trace (the last attempt's) at ABORTED.
 EXHAUSTED = "attempts_exhausted"
 # Reasons that are legal for the machine but mean a bug when seen in a test or a soak.
@@ -139,11 +147,19 @@ def _i6(sample: Any, reason: str | None) -> list[str]:
         out.append(f"I6: the engine recorded a violation: {metadata['invariant_violation']}")
     trace = [tuple(edge) for edge in metadata.get("trace") or []]
     end = "ABORTED" if reason == EXHAUSTED else status
+    # An agent's segments: the first begins at RESET, a later one where the break before it led;
+    # each but the last ends on its break's edge.
+    segment = metadata.get("segment") if isinstance(metadata.get("segment"), dict) else {}
+    start = "RESET" if not segment.get("index") else BREAK_DEST
+    if segment.get("ended_by") is not None:
+        end = BREAK_DEST
+        if segment["ended_by"] != reason:
+            out.append(f"I6: the segment ended by {segment['ended_by']!r} has the reason {reason!r}")
     if reason in UNROLLED_REASONS:
         if trace:
             out.append(f"I6: {reason} but the sample has a trace")
-    elif not trace or trace[0][0] != "RESET" or trace[-1][2] != end:
-        out.append(f"I6: trace does not lead from RESET to {end}: {trace[:1]}...{trace[-1:]}")
+    elif not trace or trace[0][0] != start or trace[-1][2] != end:
+        out.append(f"I6: trace does not lead from {start} to {end}: {trace[:1]}...{trace[-1:]}")
     elif any(a[2] != b[0] for a, b in zip(trace, trace[1:])):
         out.append("I6: trace is not a connected path")
     elif any(edge[2] in TERMINALS for edge in trace[:-1]):

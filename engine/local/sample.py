@@ -51,6 +51,7 @@ class Sample:
 
     group_index: int | None = None
     index: int | None = None
+    rollout_id: int | None = None  # shared by the samples one rollout fans out to (None: its `index`)
     prompt: str | list[dict[str, str]] = ""
     tokens: list[int] = field(default_factory=list)
     response: str = ""

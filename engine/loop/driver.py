@@ -25,6 +25,7 @@ from engine import envs, tools
 from engine.aio import within
 from engine.logs import log_once
 from engine.loop import environment as episodes
+from engine.loop.harness import Harness
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint
 from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
@@ -65,9 +66,13 @@ class NoEdge(RuntimeError):
 
 @step("reset")
 async def step_reset(rt: Runtime, r: Rollout) -> str:
-    """Start the environment's episode (it may shape the prompt), render the prompt; with a
-    partial-rollout checkpoint, validate it against the prompt."""
+    """Start the environment's episode (it may shape the prompt), render the prompt (an agent's
+    first call comes rendered by its session); with a partial-rollout checkpoint, validate it
+    against the prompt."""
     prompt = r.inputs.prompt
+    if r.inputs.rendered is not None:  # an agent's first call, rendered by its session
+        r.prompt_ids = r.inputs.rendered
+        return Trigger.START
     if r.inputs.environment is not None:
         stopped, prompt = await start_episode(rt, r)
         if stopped is not None:  # the sample keeps its own prompt, and ends here
@@ -139,7 +144,7 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
     r.turn = TurnScratch()
     # The trajectory itself, so the client reuses the sample's encoded prompt instead of encoding it again.
     outcome = await rt.client.generate(
-        r.traj, r.inputs.sampling_params, r.max_new_tokens, routing_key=r.inputs.routing_key,
+        r.traj, r.sampling_params(), r.max_new_tokens, routing_key=r.inputs.routing_key,
         routed_experts_start=experts_start,
     )
     r.record.generation_time += time.perf_counter() - started
@@ -268,6 +273,22 @@ async def step_environment(rt: Runtime, r: Rollout) -> str:
         last = r.traj.response_ids[-1] if r.traj.response_length else None
         r.turn.observation_ids = rt.profile.user_turn_ids(reply.text, last)
     return Trigger.ENV_REPLY
+
+
+@step("harness")
+async def step_harness(rt: Runtime, r: Rollout) -> str:
+    """An agent's session answers the harness's waiting call with the turn and brings what the
+    harness does next: its next call (matched onto what was sampled) or the session's end.
+    The caller's abort cuts the wait, as it cuts a tool's."""
+    harness: Harness = r.inputs.harness
+    waiting = asyncio.ensure_future(harness.exchange(r))
+    if not await finished_unless_aborted(rt, waiting):
+        r.record.error = "abort requested while the harness had the turn"
+        r.stop_because("abort_requested")
+        return Trigger.CANCELLED
+    event = waiting.result()
+    r.turn = TurnScratch(harness=event, observation_ids=list(event.observation_ids))
+    return Trigger.HARNESS_END if event.kind == "end" else Trigger.HARNESS_CALL
 
 
 async def finished_unless_aborted(rt: Runtime, work: asyncio.Future[Any]) -> bool:

@@ -27,9 +27,9 @@ import attrs
 
 from engine import envs
 from engine.logs import log_once
-from engine.settings import EngineConfig
 from engine.profiles import Profile
 from engine.profiles.base import CallResult, Turn
+from engine.settings import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ def read_choice(metadata: Any) -> Choice:
                              f"or \"{envs.NONE}\"; got {str(value)[:80]!r}")
 
 
-def set_up(cfg: EngineConfig, profile: Profile, name: str) -> Any:
-    """The environment registered as `name`, set up for one runtime.
+def set_up(cfg: EngineConfig, profile: Profile, name: str, http: Any = None) -> Any:
+    """The environment registered as `name`, set up for one runtime, with the runtime's HTTP client
+    (`engine.sglang.client.ServiceClient`) when its `setup` takes `http`.
 
     Raises UnknownEnvironment naming the registered ones for an unknown name, ValueError for a
     profile that cannot render a user turn, and whatever the environment's `setup` raises.
@@ -88,7 +89,16 @@ def set_up(cfg: EngineConfig, profile: Profile, name: str) -> Any:
                                  "name the module that registers it in engine_tool_modules")
     if not callable(getattr(profile, "user_turn_ids", None)):
         raise ValueError(f"the {profile.name} profile cannot append an environment's reply as a user turn")
-    return cfg.set_up(env)
+    return cfg.set_up(env, http=http) if takes_http(env.setup) else cfg.set_up(env)
+
+
+def takes_http(setup: Callable[..., Any]) -> bool:
+    """Whether an environment's `setup` takes `http` (one written before it was offered does not)."""
+    try:
+        parameters = inspect.signature(setup).parameters
+    except (TypeError, ValueError):  # a builtin or a C callable: offer nothing
+        return False
+    return "http" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 @attrs.define(eq=False)
@@ -97,6 +107,7 @@ class Environments:
 
     cfg: EngineConfig
     profile: Profile
+    http: Any = None  # the runtime's client for the environments' services (`ServiceClient`)
     default: Any = None
     _ready: dict[str, Any] = attrs.field(factory=dict, init=False)
 
@@ -111,7 +122,7 @@ class Environments:
         """The environment `name`, set up for this runtime on first use."""
         env = self._ready.get(name)
         if env is None:
-            env = self._ready[name] = set_up(self.cfg, self.profile, name)
+            env = self._ready[name] = set_up(self.cfg, self.profile, name, self.http)
         return env
 
     def chosen(self, choice: Choice) -> Any:

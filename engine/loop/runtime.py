@@ -15,13 +15,13 @@ import attrs
 
 from engine import tools
 from engine.aio import Gate
-from engine.settings import EngineConfig
 from engine.loop.abort import AbortSignal
 from engine.loop.environment import Environments
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
-from engine.sglang.client import SGLangClient, make_http_client
+from engine.settings import EngineConfig
+from engine.sglang.client import ServiceClient, SGLangClient, make_http_client
 from engine.tools import mcp_servers
 
 START_GATE = 32  # samples beginning their set-up per event-loop turn when many start at once
@@ -54,7 +54,8 @@ class Runtime:
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.environments = Environments(self.cfg, self.profile)
+        # Their services are asked through the loop's one pool, as /generate is.
+        self.environments = Environments(self.cfg, self.profile, ServiceClient(self.client.http, self.cfg.retry))
         for name in tools.names():  # a tool's settings are checked now, not at its first call
             self.tool(name)
 
@@ -148,8 +149,9 @@ class Runtime:
         """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
         for module in cfg.tool_modules:
             importlib.import_module(module)
-        if cfg.mcp_servers:  # their tools register like a module's, before the machine is built
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+        mcp = cfg.plugin(mcp_servers.McpSettings)
+        if mcp.servers:  # their tools register like a module's, before the machine is built
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         configure_sandbox(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
@@ -183,8 +185,7 @@ class Runtime:
         """Close the environments, the MCP servers this loop started, and the HTTP pool."""
         try:
             await self.environments.aclose()
-            if self.cfg.mcp_servers:
-                await mcp_servers.close_connections()  # the servers this loop started end with the run
+            await mcp_servers.close_connections()  # the servers this loop started end with the run
         finally:
             await self.client.http.aclose()
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.machine.rollout import Rollout, TurnScratch
+from engine.machine.rollout import ClosedSegment, Marks, Rollout, TurnScratch
+from engine.machine.trajectory import InvariantViolation, Trajectory
 from engine.profiles.base import ToolCall
 
 Action = Callable[[Rollout], None]
@@ -23,6 +24,7 @@ def reset_rollout(r: Rollout) -> None:
     r.turn = TurnScratch()
     r.record.turn_log, r.record.weight_versions = [], []
     r.record.env_reason = r.record.env_success = None
+    r.closed, r.segment_start = [], Marks.of(r.record)
 
 
 def restore_checkpoint(r: Rollout) -> None:
@@ -46,7 +48,7 @@ def clamp_max_new_tokens(r: Rollout) -> None:
     asked = r.inputs.asked_max_new_tokens
     if asked is not None and r.partial_turn_tokens:
         asked = max(1, asked - r.partial_turn_tokens)  # a resumed turn keeps its per-turn cap
-    caps = [n for n in (asked, remaining) if n is not None]
+    caps = [n for n in (asked, remaining, r.call_max_new_tokens) if n is not None]
     # BUDGET_CHECK let us here only with both caps >= 1; max() is a belt for the braces.
     r.max_new_tokens = max(1, min(caps)) if caps else None
 
@@ -58,11 +60,23 @@ def append_model_turn(r: Rollout) -> None:
     start = reply.routed_experts_start_len
     r.traj.append_model_turn(reply.ids, reply.logprobs, reply.top_p, reply.weight_version,
                              reply.routed_experts, r.traj.routed_rows if start is None else start)
-    r.partial_turn_tokens = 0
+    r.partial_turn_tokens = r.turn_resumes = 0
     _log_turn(r)
     # The trajectory holds the turn now. The reply's boxed ids and logprobs (a Python object each)
     # would otherwise stay until the next turn; only its verdict (finish, problem) is read again.
     r.turn.reply = reply.without_tokens()
+
+
+def append_partial_turn(r: Rollout) -> None:
+    """An agent's turn the server aborted: its tokens are kept (mask 1) and the turn goes on
+    from them, within its own cap; the harness gets the whole turn as one reply."""
+    reply = r.turn.reply
+    assert reply is not None
+    held, resumes = r.partial_turn_tokens + len(reply.ids), r.turn_resumes + 1
+    append_model_turn(r)
+    r.record.turn_log[-1]["aborted"] = True
+    r.turn_count -= 1  # the turn it goes on with is the same turn
+    r.partial_turn_tokens, r.turn_resumes = held, resumes
 
 
 def record_unusable_reply(r: Rollout) -> None:
@@ -186,6 +200,38 @@ def append_observation(r: Rollout) -> None:
         add_turn_reward(r, res.reward)
 
 
+def append_harness_delta(r: Rollout) -> None:
+    """Append what the harness added after the turn (tool results, a user turn, a reminder), as
+    the template renders it: mask 0, logprob 0.0; TRIM cuts an overflow. Its call's cap applies next."""
+    r.traj.append_observation(r.turn.observation_ids)
+    if r.turn.harness is not None:
+        r.take_call(r.turn.harness)
+    if r.record.turn_log:
+        r.record.turn_log[-1]["observation_tokens"] = len(r.turn.observation_ids)
+
+
+def break_segment(r: Rollout) -> None:
+    """Close the segment (checked whole: I1-I4, I2) and open the next from the history as the
+    harness gave it: its own prompt, its own budget, its own arrays. The break's reason ends
+    the closed one; the rollout's own reason is its last segment's."""
+    harness = r.turn.harness
+    assert harness is not None and harness.reason is not None
+    closing = r.traj
+    try:
+        closing.check(max_total_length=r.budget_at_end(), full=True)
+    except InvariantViolation as exc:
+        r.record.violation = f"segment {len(r.closed)}: {exc}"
+    end = Marks.of(r.record, edges_ahead=1)  # the break's own edge ends the closed segment's path
+    r.closed.append(ClosedSegment(closing, harness.reason, r.segment_start, end))
+    r.segment_start = end
+    r.prompt_ids = harness.prompt_ids
+    r.traj = Trajectory(expert_row_bytes=r.cfg.expert_row_bytes)
+    r.traj.reset(harness.prompt_ids)
+    r.token_budget = r.cfg.context_limit(len(harness.prompt_ids))
+    r.partial_turn_tokens = 0
+    r.take_call(harness)
+
+
 def trim_to_budget(r: Rollout) -> None:
     """Cut every per-token array to the budget together (the text is made from the ids at the end)."""
     assert r.token_budget is not None
@@ -195,5 +241,8 @@ def trim_to_budget(r: Rollout) -> None:
 
 
 def discard_response(r: Rollout) -> None:
-    """After an invariant violation nothing of the response can be trusted: keep the prompt only."""
+    """After an invariant violation nothing of the response can be trusted: keep the prompt only
+    (of every segment an agent's session closed, too)."""
     r.traj.reset(r.prompt_ids)
+    for segment in r.closed:
+        segment.traj.reset(segment.traj.prompt_ids)

@@ -80,6 +80,20 @@ def reply_over_budget(r: Rollout) -> bool:
     return reply is not None and budget is not None and r.traj.total_length + len(reply.ids) > budget
 
 
+RESUMES_PER_TURN = 8  # a server that aborts one turn more often than this is failing, not updating weights
+
+
+def abort_resumed_inside(r: Rollout) -> bool:
+    """An agent's turn the server aborted (a weight update): it goes on from its tokens, and the
+    harness, which waits on the call, sees one ordinary reply (at most RESUMES_PER_TURN times a turn)."""
+    return r.inputs.harness is not None and server_aborted(r) and r.turn_resumes < RESUMES_PER_TURN
+
+
+def harness_answers(r: Rollout) -> bool:
+    """An agent's session: the harness, not the engine, answers the turn (its calls, its end)."""
+    return r.inputs.harness is not None
+
+
 def finished_length(r: Rollout) -> bool:
     """The turn hit its `max_new_tokens`."""
     return r.turn.reply is not None and r.turn.reply.finish == "length"
@@ -118,6 +132,63 @@ def invalid_action(r: Rollout) -> bool:
 def environment_done(r: Rollout) -> bool:
     """The environment ended the episode (its own reason is recorded beside this one)."""
     return r.turn.env_reply is not None and r.turn.env_reply.done
+
+
+# -- HARNESS: an agent's next call, matched onto what was sampled --------------------
+def history_extends(r: Rollout) -> bool:
+    """The call's history is what was sampled plus the messages the harness added."""
+    h = r.turn.harness
+    return h is not None and h.kind == "extends"
+
+
+def _broke(r: Rollout, reason: str) -> bool:
+    h = r.turn.harness
+    return h is not None and h.kind == "break" and h.reason == reason
+
+
+def reasoning_dropped(r: Rollout) -> bool:
+    """A sampled turn came back without (or with other) reasoning, its text and calls the same."""
+    return _broke(r, "reasoning_dropped")
+
+
+def turn_rewritten(r: Rollout) -> bool:
+    """A sampled turn came back with other text or calls than the model wrote."""
+    return _broke(r, "turn_rewritten")
+
+
+def history_compacted(r: Rollout) -> bool:
+    """Earlier messages were dropped or summarised: the history is shorter and parts after its start."""
+    return _broke(r, "history_compacted")
+
+
+def history_forked(r: Rollout) -> bool:
+    """The history parts at its start (a sub-agent), stops before the last turn, or goes on from it otherwise."""
+    return _broke(r, "history_forked")
+
+
+def history_contradicts(r: Rollout) -> bool:
+    """The history contradicts itself: a result for a call never made."""
+    return _broke(r, "history_contradicts")
+
+
+def _ended(r: Rollout, reason: str) -> bool:
+    h = r.turn.harness
+    return h is not None and h.kind == "end" and h.reason == reason
+
+
+def harness_finished(r: Rollout) -> bool:
+    """The harness ended its session (its process exited 0, its coroutine returned)."""
+    return _ended(r, "harness_finished")
+
+
+def harness_timed_out(r: Rollout) -> bool:
+    """The harness ran past its time limit (engine_agent_timeout) and was stopped."""
+    return _ended(r, "harness_timed_out")
+
+
+def harness_crashed(r: Rollout) -> bool:
+    """The harness failed (a non-zero exit, an exception): what was sampled is kept."""
+    return _ended(r, "harness_crashed")
 
 
 # -- TOOL_CALL ------------------------------------------------------------------------

@@ -9,6 +9,11 @@
 * `Rollout`: the `transitions` model of one sample, holding the three and the trajectory,
   the counters the guards read, and the partial-rollout bookkeeping. It never does I/O; the
   driver fills its turn scratch between triggers.
+
+An agent's session (`engine_agent`) may break its history: the rollout then holds the
+segments a break closed (`ClosedSegment`: the prompt, the aligned arrays, why it ended and
+where its turns and path lie in the record) beside the trajectory of the open one. Each
+segment becomes one sample.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from typing import Any, Literal
 
 import attrs
 
-from engine.settings import EngineConfig
 from engine.machine.trajectory import Trajectory
 from engine.profiles.base import CallResult, ToolCall, Turn
+from engine.settings import EngineConfig
 from engine.sglang.wire import Reply
 
 ResumeAt = Literal["generate", "tools"]
+BreakReason = Literal["reasoning_dropped", "turn_rewritten", "history_compacted", "history_forked", "history_contradicts"]
+EndReason = Literal["harness_finished", "harness_crashed", "harness_timed_out"]
 
 
 def _never() -> bool:
@@ -59,7 +66,28 @@ class Inputs:
     saved: Saved | None = None  # partial rollout: what an earlier attempt left on the sample
     environment: Any = None  # the `engine.envs.Environment` answering turns that call no tool (None: none)
     metadata: Any = None  # the sample's metadata, read-only, for the environment's `start`
+    harness: Any = None  # an agent's session (`engine.loop.harness.Harness`): the harness answers the model
+    rendered: tuple[int, ...] | None = None  # the prompt's ids, rendered by the caller (an agent's first call)
     environment_args: Any = None  # the environment's arguments for this sample (`metadata["environment"]["args"]`)
+
+
+@attrs.frozen
+class HarnessEvent:
+    """What came of the harness after a turn was answered: its next call, or the session's end.
+
+    `extends`: the call's history extends what was sampled; `observation_ids` are the messages
+    it added, as the template renders them after the turn (mask 0). `break`: it does not;
+    `reason` names how, and `prompt_ids` are the history as given, the next segment's prompt.
+    `end`: the session ended, `reason` says how. `max_new_tokens` and `stop` are the call's own
+    cap and stop strings (on top of the sample's).
+    """
+
+    kind: Literal["extends", "break", "end"]
+    reason: str | None = None
+    observation_ids: tuple[int, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+    max_new_tokens: int | None = None
+    stop: tuple[str, ...] = ()
 
 
 @attrs.define(eq=False, slots=True)
@@ -74,6 +102,7 @@ class TurnScratch:
     results: list[CallResult] = attrs.field(factory=list)  # answers to this turn's calls
     observation_ids: list[int] = attrs.field(factory=list)
     env_reply: Any = None  # the environment's `Reply` to this turn
+    harness: HarnessEvent | None = None  # an agent's next call (or its end), after this turn was answered
     env_seconds: float = 0.0  # how long the environment took to answer it
     env_blocked: float = 0.0  # how long it held the event loop at once while answering, when that stalled others
 
@@ -135,6 +164,37 @@ class Restored:
     attempt: int
 
 
+@attrs.frozen
+class Marks:
+    """How long the record's lists were when a segment began (or ended): its turns, weight
+    versions, per-call stats and edges are the entries between two marks."""
+
+    turns: int = 0
+    versions: int = 0
+    stats: int = 0
+    trace: int = 0
+
+    @classmethod
+    def of(cls, record: Record, edges_ahead: int = 0) -> Marks:
+        """The record's lengths now; `edges_ahead`: edges taken but not yet recorded (the one being taken)."""
+        return cls(len(record.turn_log), len(record.weight_versions), len(record.call_stats), len(record.trace) + edges_ahead)
+
+
+@attrs.frozen
+class ClosedSegment:
+    """A segment of an agent's rollout that a history break closed: its own sample.
+
+    `traj` holds its prompt and aligned arrays (checked whole when it closed); `reason` is the
+    break that closed it; its turns, weight versions, per-call stats and path are the record's
+    entries between `start` and `end`.
+    """
+
+    traj: Trajectory
+    reason: str
+    start: Marks
+    end: Marks
+
+
 @attrs.define(eq=False, slots=True)
 class Rollout:
     """One sample on its way through the machine."""
@@ -162,7 +222,27 @@ class Rollout:
     resume: Restored | None = None
     resume_rejected: str | None = None
     partial_turn_tokens: int = 0
+    turn_resumes: int = 0  # how often an agent's turn was aborted and went on (reset by a whole turn)
     attempt: int = 1
+    # An agent's session: the segments its history breaks closed, where the open one began, and
+    # the cap and stop strings its waiting call asked for (`max_tokens`, `stop`).
+    closed: list[ClosedSegment] = attrs.field(factory=list)
+    segment_start: Marks = attrs.field(factory=Marks)
+    call_max_new_tokens: int | None = None
+    call_stop: tuple[str, ...] = ()
+
+    def take_call(self, event: HarnessEvent) -> None:
+        """The harness's call asks its own cap and stop strings for the turn that answers it."""
+        self.call_max_new_tokens, self.call_stop = event.max_new_tokens, event.stop
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The next request's sampling params: the sample's, with the waiting call's stop strings added."""
+        params = self.inputs.sampling_params
+        if not self.call_stop:
+            return params
+        own = params.get("stop")
+        stops = [own] if isinstance(own, str) else list(own or [])
+        return {**params, "stop": stops + [s for s in self.call_stop if s not in stops]}
 
     def __attrs_post_init__(self) -> None:
         if self.cfg.expert_row_bytes and not self.traj.expert_row_bytes:

@@ -6,7 +6,8 @@ state needs no I/O, or the named `Step` the loop runs there (and whether that st
 so a cancellation can arrive). The state list, the awaiting set, the driver's dispatch and
 the legend are all built from it; a state without exactly one behaviour is refused here, a
 step the loop does not define when the driven machine is built. ENVIRONMENT is taken only
-by a sample with an environment (its metadata's, else `engine_environment`). Tool states (`TOOL_<NAME>`) are added
+by a sample with an environment (its metadata's, else `engine_environment`), HARNESS only by an
+agent's session (`engine_agent`: the harness, not the engine, answers the model). Tool states (`TOOL_<NAME>`) are added
 per registered tool by `engine.machine.table`; they all run `TOOL_STEP`.
 """
 
@@ -27,6 +28,7 @@ class State(str, Enum):
     GENERATE = "GENERATE"
     TOOL_CALL = "TOOL_CALL"
     ENVIRONMENT = "ENVIRONMENT"
+    HARNESS = "HARNESS"
     TRIM = "TRIM"
     COMPLETED = "COMPLETED"
     TRUNCATED = "TRUNCATED"
@@ -54,6 +56,8 @@ class Trigger(str, Enum):
     TOOL_UNAVAILABLE = "tool_unavailable"
     ENV_REPLY = "env_reply"
     ENV_FAILED = "environment_failed"
+    HARNESS_CALL = "harness_call"
+    HARNESS_END = "harness_end"
     TRIM = "trim"
     CRASHED = "crashed"
     CANCELLED = "cancelled"
@@ -132,6 +136,7 @@ STATES: tuple[StateDef, ...] = (
     StateDef(S.GENERATE,     "core",     "one /generate request; the reply's ids and logprobs are taken as sent, then the turn is parsed (answer, tool call, invalid)", Step("generate", awaits=True)),
     StateDef(S.TOOL_CALL,    "core",     "plans the turn's calls (surplus or unparsable ones get an error answer), hands them to the tool states, appends the observation (mask 0)", Step("tool_call")),
     StateDef(S.ENVIRONMENT,  "core",     "the sample's environment (its metadata's, else engine_environment) answers a model turn that is not a tool call: a user turn appended (mask 0) and the turn's reward, or the end of the episode", Step("environment", awaits=True)),
+    StateDef(S.HARNESS,      "core",     "agent mode (engine_agent): answers the harness's waiting model call with the turn, then awaits its next call, whose history extends what was sampled (the added messages appended, mask 0) or breaks the segment (a new one from the history as given), or the session's end", Step("harness", awaits=True)),
     StateDef(S.TRIM,         "core",     "cuts every per-token array to the budget together after a reply or an observation overflowed it", T.TRIM),
     StateDef(S.COMPLETED,    "terminal", "the model gave its final answer"),
     StateDef(S.TRUNCATED,    "terminal", "a budget ran out (context, turns, tool calls) or the turn hit its max_new_tokens"),

@@ -139,25 +139,75 @@ class ChatProfile:
         # The template's glue keeps its special tokens; what the tools printed is plain text
         # (a printed <|im_end|> must not close the turn): each special-token string inside a
         # tool's text is stood in for by a placeholder the template leaves alone.
-        nonce = uuid.uuid4().hex[:12]
-        found: list[str] = []
-
-        def hold(match: re.Match[str]) -> str:
-            found.append(match.group())
-            return f"\ue000{nonce}:{len(found) - 1}\ue001"
-
-        specials = self.codec.special_pattern
-        held = [specials.sub(hold, c) for c in contents] if specials is not None else contents
-        delta = self.tool_delta(held, [r.call for r in results])
+        held = _Held(self.codec.special_pattern)
+        delta = self.tool_delta([held.hold(c) for c in contents], [r.call for r in results])
         closed = last_token is None or last_token in self.closer_ids
         text = delta[len(self.closer):] if closed and self.closer else delta
-        if not found:
-            return self.encode(text)
-        ids: list[int] = []
-        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
-        for i, part in enumerate(parts):
-            ids += self.encode(part) if i % 2 == 0 else self.codec.encode_plain(found[int(part)])
+        return held.encode(self, text)
+
+    def follow_ids(self, messages: list[dict[str, Any]], last_token: int | None = None,
+                   calls: list[ToolCall] | None = None) -> list[int]:
+        """The template's tokens after a model turn for the messages appended to it (tool results,
+        a user turn, a system reminder, any run of them), up to the next assistant turn's start.
+
+        The model's turn is never rendered again: the messages follow a stand-in turn (one that
+        makes a call when a tool message answers it, else plain text), and what the template
+        writes after that turn's text is the delta, as `observation_ids` learns it. The tool
+        messages answer `calls` (the turn's, by their ids) where the template shows a result's
+        call, else the stand-in's. Contents are plain text (a special token in them stays text);
+        the template's markup keeps its special tokens. A turn the model closed itself keeps
+        its closing token, once. Raises what the template raises for messages it cannot render.
+        """
+        held = _Held(self.codec.special_pattern)
+        sent = [dict(m, content=held.hold(m["content"])) if isinstance(m.get("content"), str) else dict(m) for m in messages]
+        if any(m.get("role") == "tool" for m in sent):
+            glue = self._learnt_glue()
+            if calls and self.shows_calls:
+                made = [(c.name or "tool", c.id or f"call{i:05d}", c.arguments if not c.error else {}) for i, c in enumerate(calls)]
+                try:
+                    glue = glue_turn(self, made, forms=(self._glue[2],))
+                except ValueError:  # the template refuses the model's calls: the stand-in's
+                    pass
+            turn, tail, _ = glue
+            made_calls = turn.get("tool_calls") or []
+            ids = {c["id"] for c in made_calls}
+            answered = 0
+            for m in sent:
+                if m.get("role") == "tool" and made_calls and m.get("tool_call_id") not in ids:
+                    call = made_calls[min(answered, len(made_calls) - 1)]  # answers the stand-in's calls in order
+                    m["tool_call_id"], m["name"] = call["id"], call["function"]["name"]
+                if m.get("role") == "tool":
+                    answered += 1
+            full = self.tokenizer.apply_chat_template([_PROBE_USER, turn, *sent], tokenize=False, add_generation_prompt=True)
+            at = full.find(tail)
+            if at < 0:
+                raise ValueError("the chat template renders an assistant turn differently once these messages follow it")
+            delta = full[at + len(tail):]
+            closed = last_token is None or last_token in self.closer_ids
+            if closed and self.closer and delta.startswith(self.closer):
+                delta = delta[len(self.closer):]
+            return held.encode(self, delta)
+        turn = {"role": "assistant", "content": _SENTINEL}
+        full = self.tokenizer.apply_chat_template([_PROBE_USER, turn, *sent], tokenize=False, add_generation_prompt=True)
+        at = full.find(_SENTINEL)
+        if at < 0:
+            raise ValueError("the chat template does not show an assistant turn's text once these messages follow it")
+        ids = held.encode(self, full[at + len(_SENTINEL):])
+        if ids and last_token is not None and ids[0] == last_token:  # the model closed its turn itself
+            ids = ids[1:]
         return ids
+
+    def call_form(self) -> tuple[bool, bool, bool]:
+        """How this template wants an assistant turn with calls: (arguments as JSON text, content
+        None, calls shown at all); learnt from the template once."""
+        return self._learnt_glue()[2]
+
+    def _learnt_glue(self) -> tuple[dict[str, Any], str, Form]:
+        """The stand-in turn tool results follow (learnt from the template on first use)."""
+        if self._glue is None:
+            self.tool_delta(["x"])
+        assert self._glue is not None
+        return self._glue
 
     def _turn_end_ids(self) -> frozenset[int]:
         """Ids of the parser's other turn-ending tokens (`turn_ends`) that are special tokens here."""
@@ -218,6 +268,33 @@ class ChatProfile:
 
     def decode(self, ids: list[int]) -> str:
         return self.codec.decode(ids)
+
+
+class _Held:
+    """Special-token strings in message contents, stood in for by placeholders the template
+    leaves alone, so the contents encode as plain text and the template's markup as its tokens."""
+
+    def __init__(self, specials: re.Pattern[str] | None) -> None:
+        self.specials = specials
+        self.nonce = uuid.uuid4().hex[:12]
+        self.found: list[str] = []
+
+    def _stand_in(self, match: re.Match[str]) -> str:
+        self.found.append(match.group())
+        return f"\ue000{self.nonce}:{len(self.found) - 1}\ue001"
+
+    def hold(self, text: str) -> str:
+        """`text` with each special-token string replaced by its placeholder."""
+        return self.specials.sub(self._stand_in, text) if self.specials is not None else text
+
+    def encode(self, profile: ChatProfile, text: str) -> list[int]:
+        """Ids of rendered `text`: the template's parts as encoded, the held strings as plain text."""
+        if not self.found:
+            return profile.encode(text)
+        ids: list[int] = []
+        for i, part in enumerate(re.split(f"\ue000{self.nonce}:(\\d+)\ue001", text)):
+            ids += profile.encode(part) if i % 2 == 0 else profile.codec.encode_plain(self.found[int(part)])
+        return ids
 
 
 def registered_schemas() -> dict[str, Any]:

@@ -48,7 +48,7 @@ DAY = 86400.0
 # The HTTP pool holds one small client per 4 connections: past this many connections the
 # pool only costs memory and start-up time (a slime job's samples wait in slime's own semaphore).
 MAX_CONNECTIONS = 16384
-SERVER, TOOLS, BUDGETS = "server and settings", "tools", "budgets and sampling"  # `run --help`'s sections
+SERVER, TOOLS, BUDGETS, AGENT = "server and settings", "tools", "budgets and sampling", "agents"  # `run --help`'s sections
 _LIMITS, _RAY = attrs.fields(SandboxLimits), attrs.fields(RaySettings)
 
 
@@ -176,9 +176,24 @@ class EngineConfig:
     reward_discount: float = setting(0.9, low=0, high=1, above_low=True, help="the discounted rule's factor per model turn")
     reward_turn_weight: float = setting(1.0, low=-1e6, high=1e6, help="the weighted rule's weight of the per-turn rewards' sum")
     reward_answer_weight: float = setting(1.0, low=-1e6, high=1e6, help="the weighted rule's weight of the answer's reward")
-    mcp_servers: tuple[str, ...] = setting((), flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, repeatable=True, dest="mcp_servers",
-                                                         help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL"),
-                                           help="MCP servers whose tools are offered: each a command line (stdio) or an http(s) URL")
+    # An agent brings its own loop (engine.agent): its model calls are the sample's turns.
+    agent: str | None = setting(unset="none: the engine's own loop answers the model",
+                                flag=Flag("--agent", "CMD", AGENT,
+                                          help="run this agent per prompt: a command line (quoted) or module:function"),
+                                help="what runs per sample as an agent: a coroutine `module:function` called with "
+                                     "(base_url, api_key, sample), or a command line started with OPENAI_BASE_URL / "
+                                     "ANTHROPIC_BASE_URL and their keys set to its session; its model calls are the "
+                                     "sample's turns (needs engine_profile: chat)")
+    agent_timeout: float = setting(1800.0, low=0, high=7 * DAY, above_low=True, flag=Flag("--agent-timeout", "S", AGENT),
+                                   help="seconds an agent may run; then it is stopped and the sample ends TRUNCATED "
+                                        "(harness_timed_out), keeping what was sampled")
+    agent_matcher: str = setting("json_calls", choices=("exact", "json_calls", "role_content"),
+                                 flag=Flag("--agent-matcher", "NAME", AGENT),
+                                 help="how an agent's copy of a model turn must match what the model wrote: exact (text, "
+                                      "reasoning, calls as written), json_calls (calls' arguments as JSON, reasoning may be "
+                                      "left out) or role_content (role and text)")
+    agent_models: tuple[str, ...] = setting(("policy",), help="the model names an agent may ask for (/v1/models lists "
+                                                              "them); * takes any name")
     request_timeout: float = setting(1800.0, low=0, high=7 * DAY, above_low=True, help="seconds one /generate request may take")
     connect_timeout: float = setting(10.0, low=0, high=3600, above_low=True, help="seconds to connect to the server")
     # routing replay replies run to 100s of MB
@@ -248,10 +263,13 @@ class EngineConfig:
         limits = [n for n in (self.max_context_len, self.max_response_len and prompt_length + self.max_response_len) if n]
         return min(limits) if limits else None
 
-    def set_up(self, plugin: P) -> P:
-        """What `plugin.setup` makes of these settings: with its own as well when it declares them (`plugin.Settings`)."""
+    def set_up(self, plugin: P, **given: Any) -> P:
+        """What `plugin.setup` makes of these settings: with its own as well when it declares them (`plugin.Settings`).
+        `given` is what the engine hands it besides (an environment's `http`)."""
         own = getattr(plugin, "Settings", None)
-        return plugin.setup(self) if own is None else plugin.setup(self, self.plugin(own))  # type: ignore[attr-defined, no-any-return]
+        if own is None:
+            return plugin.setup(self, **given)  # type: ignore[attr-defined, no-any-return]
+        return plugin.setup(self, self.plugin(own), **given)  # type: ignore[attr-defined, no-any-return]
 
     def plugin(self, cls: type[T]) -> T:
         """The settings of the plugin whose settings class is `cls` (its defaults when they were not read)."""
@@ -298,7 +316,8 @@ class Sampling:
 
 # -- reading slime's args -------------------------------------------------------------------------
 
-BUILT_IN_PLUGINS = ("engine.envs",)  # packages whose shipped plugins declare settings (the user simulator)
+# packages whose shipped plugins declare settings (the user simulator, the MCP servers' tools)
+BUILT_IN_PLUGINS = ("engine.envs", "engine.tools.mcp_servers")
 _FROM_ARGS_CACHE = 64
 _from_args_cache: dict[Any, EngineConfig] = {}
 _watching: tuple[int, tuple[str, ...]] = (-1, ())
@@ -342,6 +361,7 @@ def flagged_settings() -> list[Setting]:
 
 
 __all__ = [
+    "AGENT",
     "BUDGETS",
     "DEFAULT_SERVER_URL",
     "MAX_CONNECTIONS",

@@ -51,11 +51,14 @@ def sections(modules: Iterable[str] = ()) -> list[tuple[str, str, list[Setting]]
          "slime checks these itself in a training job; `python -m engine run` reads them from its flags or `--config`.",
          list(rows(Sampling))),
     ]
-    for plugin in plugins():  # the shipped ones and those of `modules`, not whatever else this process imported
-        if plugin.__module__.startswith((*BUILT_IN_PLUGINS, *modules)):
-            words = (f"A plugin's settings (`{plugin.__module__}.{plugin.__qualname__}`), "
-                     f"under its prefix `{plugin.__settings_prefix__}`.")
-            parts.append((title_of(plugin), words, [r for r in rows(plugin) if r.key]))
+    sources = (*BUILT_IN_PLUGINS, *modules)
+    shown = [p for p in plugins() if p.__module__.startswith(sources)]  # not whatever else this process imported
+    # in the order of `sources`, whichever this process happened to import first
+    shown.sort(key=lambda plugin: next(i for i, source in enumerate(sources) if plugin.__module__.startswith(source)))
+    for plugin in shown:
+        words = (f"A plugin's settings (`{plugin.__module__}.{plugin.__qualname__}`), "
+                 f"under its prefix `{plugin.__settings_prefix__}`.")
+        parts.append((title_of(plugin), words, [r for r in rows(plugin) if r.key]))
     return parts
 
 

@@ -167,20 +167,45 @@ def _unrolled(sample: Any, reason: str, error: str, cfg: EngineConfig | None, sa
 async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: bool = False) -> Any:
     """slime's custom generate function: one sample, multi-turn with tools, returns the sample.
 
+    With `engine_agent` set, the agent it names runs instead of the engine's own loop, and the
+    sample comes back as its segments: the sample, or a list of samples sharing `rollout_id`.
+
     Never raises into slime's `gather` (only CancelledError passes): every failure is a status
     with its reason in `sample.metadata["fsm"]["termination_reason"]`.
     """
     try:
         cfg = EngineConfig.from_args(args)
         rt = runtime_for(cfg)
-        if cfg not in _probed:  # once per settings: one clear error at start-up for a tool that cannot work
+        if cfg not in _probed and cfg.agent is None:  # once per settings: one clear error at start-up for a tool that cannot work
             _probed.add(cfg)
             await log_tool_problems(rt.allowed_tools())
+        if cfg.agent is not None:  # the agent a setting names, and a profile that renders its messages
+            from engine.slime.agent import check_agent
+
+            check_agent(rt)
     except Exception as exc:  # settings or tokenizer unusable: every sample says so, none crashes
         _log_setup_failure(exc)
         return _unrolled(sample, SETUP_FAILED, f"{type(exc).__name__}: {exc}", None, sampling_params,
                          _placeholder(None, args))
+    if cfg.agent is not None:
+        return await run_agent_sample(rt, sample, sampling_params)
     return await run_sample(rt, sample, sampling_params)
+
+
+async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
+    """Run the agent `engine_agent` names for one sample: its segments, one sample each (the sample
+    itself, or a list sharing `rollout_id`). Never raises but CancelledError."""
+    from engine.slime.agent import agent_sample  # the front door loads only when an agent is configured
+
+    async with rt.in_flight():
+        try:
+            return await agent_sample(rt, sample, sampling_params, lambda: _placeholder(rt))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
+            log.exception("engine adapter failed on an agent's sample")
+            return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                             _placeholder(rt))
 
 
 _setup_errors: set[str] = set()

@@ -7,13 +7,16 @@ one key, `sample.metadata["fsm"]`; the rest of `metadata` belongs to the user an
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from engine.machine import checkpoint
-from engine.machine.rollout import Rollout, Saved
+from engine.machine.rollout import Marks, Rollout, Saved
+from engine.machine.trajectory import Trajectory
 from engine.machine.states import State, Trigger
 from engine.machine.table import get_machine
 from engine.sglang.wire import top_p_asked
@@ -194,9 +197,28 @@ def write_sample(
     with `remove_sample=True`: slime computes its reward and keeps it in its group, but trains
     none of its tokens; the last attempt's reason is kept beside `attempts_exhausted`.
     """
-    traj = r.traj
+    write_arrays(sample, r, r.traj, r.text, r.record.weight_versions, r.record.call_stats)
+    if hasattr(sample, "non_generation_time"):
+        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds + r.record.env_seconds
+    if r.reason in NOT_TRAINED or exhausted:
+        sample.remove_sample = True  # slime keeps it in its group, trains none of it
+    set_status(sample, "FAILED" if exhausted else r.state)
+    meta = rollout_metadata(r)
+    if attempts:
+        meta["attempts"] = attempts
+    if exhausted:
+        meta["last_reason"] = meta["termination_reason"]
+        meta["termination_reason"] = "attempts_exhausted"
+        meta.pop("checkpoint", None)  # nothing resumes a FAILED sample
+    own_metadata(sample)[FSM] = meta
+
+
+def write_arrays(sample: Any, r: Rollout, traj: Trajectory, text: str, versions: list[str],
+                 call_stats: list[dict[str, int]]) -> None:
+    """The per-token fields of one trajectory (a rollout's, or one segment of an agent's), its
+    text, weight versions and per-call statistics."""
     sample.tokens = traj.prompt_ids.tolist() + traj.response_ids.tolist()
-    sample.response = r.text
+    sample.response = text
     sample.response_length = traj.response_length
     sample.loss_mask = traj.loss_mask.tolist()
     sample.rollout_log_probs = traj.logprobs.tolist()
@@ -209,28 +231,119 @@ def write_sample(
         _set(sample, "rollout_top_p_token_offsets", [0] * (traj.response_length + 1))
     if traj.experts is not None:
         _set(sample, "rollout_routed_experts", routed_experts_array(traj.padded_routed_experts() or b"", r))
-    _set(sample, "weight_versions", list(r.record.weight_versions))
-    if hasattr(sample, "non_generation_time"):
-        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds + r.record.env_seconds
-    add_call_stats(sample, r.record.call_stats)
-    if r.reason in NOT_TRAINED or exhausted:
-        sample.remove_sample = True  # slime keeps it in its group, trains none of it
+    _set(sample, "weight_versions", list(versions))
+    add_call_stats(sample, call_stats)
+
+
+def set_status(sample: Any, state: str) -> None:
+    """slime's own status of that name (a stand-in's, duck-typed)."""
     status = getattr(type(sample), "Status", None)
-    state = "FAILED" if exhausted else r.state
     if status is not None and state in status.__members__:
         sample.status = status[state]
+
+
+def own_metadata(sample: Any) -> dict[str, Any]:
+    """The sample's metadata dict (one made where it has none)."""
     metadata = getattr(sample, "metadata", None)
     if not isinstance(metadata, dict):
         metadata = {}
         _set(sample, "metadata", metadata)
-    meta = rollout_metadata(r)
-    if attempts:
-        meta["attempts"] = attempts
-    if exhausted:
-        meta["last_reason"] = meta["termination_reason"]
-        meta["termination_reason"] = "attempts_exhausted"
-        meta.pop("checkpoint", None)  # nothing resumes a FAILED sample
-    metadata[FSM] = meta
+    return metadata
+
+
+@attrs.frozen
+class Piece:
+    """One segment of an agent's rollout, as one sample: its arrays, why it ended, its stretch of the record."""
+
+    traj: Trajectory
+    reason: str | None
+    start: Marks
+    end: Marks
+    last: bool
+
+
+def pieces(r: Rollout) -> list[Piece]:
+    """The rollout's segments in order: those its history breaks closed, then the last."""
+    closed = [Piece(s.traj, s.reason, s.start, s.end, False) for s in r.closed]
+    return [*closed, Piece(r.traj, r.reason, r.segment_start, Marks.of(r.record), True)]
+
+
+def write_segments(sample: Any, r: Rollout, decode: Callable[[list[int]], str], *, requeued: bool,
+                   agent: dict[str, Any] | None = None) -> list[Any]:
+    """One sample per segment of an agent's rollout (slime's fan-out), `sample` the first.
+
+    Siblings are copies of `sample` (the user's metadata kept, the engine's fields their own)
+    sharing its `rollout_id` (its `index` when it has none), so slime keeps them together. A
+    segment a break closed ends COMPLETED with the break as its reason; the last ends as the
+    rollout did. An ABORTED rollout is handed back ABORTED whole only to a caller that re-queues
+    it (`requeued`); else its last segment ends FAILED with nothing of it trained, the reason kept.
+    """
+    parts = pieces(r)
+    user = {k: v for k, v in own_metadata(sample).items() if k != FSM}
+    samples = [sample] + [_sibling(sample, user) for _ in parts[1:]]
+    rollout_id = getattr(sample, "rollout_id", None)
+    if rollout_id is None:
+        rollout_id = getattr(sample, "index", None)
+    whole = rollout_metadata(r)
+    whole.pop("checkpoint", None)  # a harness cannot be resumed: an aborted agent runs again whole
+    for k, (out, piece) in enumerate(zip(samples, parts)):
+        text = decode(piece.traj.response_ids.tolist())
+        write_arrays(out, r, piece.traj, text, r.record.weight_versions[piece.start.versions:piece.end.versions],
+                     r.record.call_stats[piece.start.stats:piece.end.stats])
+        state = r.state if piece.last else State.COMPLETED.value
+        if r.state == State.ABORTED and requeued:
+            state = State.ABORTED.value
+        elif piece.last and r.state == State.ABORTED:
+            state, out.remove_sample = State.FAILED.value, True
+        elif piece.last and r.reason in NOT_TRAINED:
+            out.remove_sample = True
+        set_status(out, state)
+        meta = dict(whole, **segment_metadata(r, piece, decode, text))
+        meta["segment"] = {"index": k, "count": len(parts), "ended_by": None if piece.last else piece.reason}
+        meta["breaks"] = [p.reason for p in parts[:-1]]
+        if agent is not None:
+            meta["agent"] = agent
+        own_metadata(out)[FSM] = meta
+        if len(parts) > 1:
+            _set(out, "rollout_id", rollout_id)
+    return samples
+
+
+def _sibling(sample: Any, user: dict[str, Any]) -> Any:
+    twin = copy.copy(sample)
+    _set(twin, "metadata", dict(user))
+    for name in ("spec_info", "prefix_cache_info"):
+        if getattr(twin, name, None) is not None:
+            setattr(twin, name, _fresh(getattr(twin, name)))
+    _set(twin, "weight_versions", [])
+    return twin
+
+
+def segment_metadata(r: Rollout, piece: Piece, decode: Callable[[list[int]], str], text: str) -> dict[str, Any]:
+    """What differs per segment: its path, its turns (each with its span and the sum of its
+    logprobs), its token runs, why it ended, its own last words."""
+    traj = piece.traj
+    runs = iter([s for s in traj.segments if s.kind == "model"])
+    turns = []
+    for t in r.record.turn_log[piece.start.turns:piece.end.turns]:
+        t = dict(t)
+        if t.get("tokens"):
+            run = next(runs, None)
+            if run is not None:
+                t["span"] = (run.start, run.end)
+                t["logprob"] = float(sum(traj.logprobs[run.start:run.end]))
+        turns.append(t)
+    last_observation = next((s.end for s in reversed(traj.segments) if s.kind == "observation"), 0)
+    final = text if last_observation == 0 else decode(traj.response_ids[last_observation:].tolist())
+    return {
+        "trace": list(r.record.trace[piece.start.trace:piece.end.trace]),
+        "guards": list(r.record.guards[piece.start.trace:piece.end.trace]),
+        "termination_reason": piece.reason,
+        "turns": turns,
+        "segments": [(s.kind, s.start, s.end, s.weight_version) for s in traj.segments],
+        "policy_versions": len({s.weight_version for s in traj.segments if s.kind == "model"}),
+        "final_text": final,
+    }
 
 
 def routed_experts_array(data: bytes, r: Rollout) -> Any:

@@ -157,7 +157,8 @@ def flow_overlay(spec: MachineSpec, samples: Sequence[dict[str, Any]], title: st
     edges = {k: f"{_samples(t.takers[k])}, ×{t.times[k]}" + ("?" if k in t.unsure else "") for k in keys}
     states = {state: "" for key in keys for state in (key[0], key[2])}
     for state, n in terminal_counts(samples).items():
-        states[state] = f"{_samples(n)} ended here"
+        # an agent's segment that a history break closed ends where the break led, not at a terminal
+        states[state] = f"{_samples(n)} ended here" if state in TERMINALS else f"{_samples(n)} ended by a break here"
     seconds, turns = time_in_states(samples)[State.ENVIRONMENT.value]
     if turns or seconds:  # for user simulators and judges most of the wall time is here
         states[State.ENVIRONMENT.value] = f"{seconds:.3g} s, {turns} answers"
@@ -201,6 +202,14 @@ def _step_details(step: Step, sample: dict[str, Any], last: bool) -> str:
     elif step.trigger == "observe" and turn:
         names = turn.get("tools") or []
         parts.append(f"observation {turn.get('observation_tokens')} tokens from {', '.join(names) or 'no call (a note)'}")
+    elif step.trigger == Trigger.HARNESS_CALL:
+        guard = step.edges[0].guard_name if step.certain else None
+        if guard in ("history_extends", "observation_over_budget"):
+            parts.append(f"the harness's next call added {turn.get('observation_tokens')} tokens")
+        else:
+            parts.append(f"segment break: {guard or 'a break'}; the next segment's prompt is the history as the harness gave it")
+    elif step.trigger == Trigger.HARNESS_END:
+        parts.append("the harness ended its session")
     elif step.source == State.ENVIRONMENT and step.trigger == Trigger.ENV_REPLY and turn:
         parts.append(f"the environment answered in {float(turn.get('environment_seconds') or 0):.3f} s")
         if turn.get("user_tokens"):
@@ -246,6 +255,11 @@ def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: 
         f"generation {float(meta.get('generation_time') or 0):.3f} s, tools {float(meta.get('tool_time') or 0):.3f} s"
         + (f", environment {float(meta.get('environment_time') or 0):.3f} s" if meta.get("environment") else ""),
     ]
+    segment = meta.get("segment")
+    if isinstance(segment, dict) and segment.get("count", 1) > 1:
+        ended = f", ended by the break {segment['ended_by']}" if segment.get("ended_by") else ""
+        head.append(f"segment {segment.get('index', 0) + 1} of {segment['count']} of an agent's rollout{ended} "
+                    f"(breaks: {', '.join(meta.get('breaks') or []) or 'none'})")
     if meta.get("engine_error"):
         head.append(f"engine error: {_short(meta['engine_error'], 200)}")
     steps = resolve_path(spec, sample)

@@ -24,7 +24,18 @@ from engine.machine.table import MachineSpec, RolloutMachine, get_machine
 from engine.profiles.retool import INVALID_ACTION, render_retool_prompt
 from engine.slime.sample_io import read_checkpoint, write_sample
 from tests.conftest import run
-from tests.support.helpers import IM_END, SAMPLING, URL, ScriptedServer, encode, reply_body, retool_schemas, tok, turn
+from tests.support.helpers import (
+    IM_END,
+    SAMPLING,
+    URL,
+    ScriptedServer,
+    StubHarness,
+    encode,
+    reply_body,
+    retool_schemas,
+    tok,
+    turn,
+)
 
 CODE = "<code>\nprint(1)\n</code>"
 ANSWER = "Answer: \\boxed{1}"
@@ -42,11 +53,13 @@ def cfg(**kw: Any) -> EngineConfig:
 
 
 async def _drive(script: list, c: EngineConfig, params: dict, machine: RolloutMachine | None, server: ScriptedServer,
-                 sample: Any = None) -> Rollout:
+                 sample: Any = None, harness: Any = None) -> Rollout:
     with respx.mock(assert_all_called=False) as mock:
         mock.post(URL + "/generate").mock(side_effect=server)
         rt = Runtime.create(c, tokenizer=tok())
         r = new_rollout(rt, PROMPT, params, saved=read_checkpoint(sample) if sample is not None else None)
+        if harness is not None:  # an agent's session answers the turns
+            r.inputs = attrs.evolve(r.inputs, harness=harness)
         try:
             await drive(rt, r, machine)
         finally:
@@ -55,9 +68,9 @@ async def _drive(script: list, c: EngineConfig, params: dict, machine: RolloutMa
 
 
 def walk(script: list, *, params: dict | None = None, machine: RolloutMachine | None = None, sample: Any = None,
-         **kw: Any) -> tuple[Rollout, ScriptedServer]:
+         harness: Any = None, **kw: Any) -> tuple[Rollout, ScriptedServer]:
     server = ScriptedServer(script)
-    r = run(_drive(script, cfg(**kw), dict(params or SAMPLING), machine, server, sample))
+    r = run(_drive(script, cfg(**kw), dict(params or SAMPLING), machine, server, sample, harness))
     r.traj.check(full=True, max_total_length=r.token_budget)
     return r, server
 
@@ -310,6 +323,8 @@ def script_through(state: str) -> tuple[list, dict[str, Any]]:
         return [turn("many words " * 20)], {"max_context_len": prompt_len() + 5}
     if state == "ENVIRONMENT":
         return [turn("Hello."), turn("Hello again.")], {"environment": "echo_test"}
+    if state == "HARNESS":
+        return [turn(CODE)], {"harness": StubHarness([])}
     return [turn(CODE), turn(ANSWER)], {}
 
 

@@ -159,6 +159,21 @@ class FakeInterpreter(tools.Tool):
         return self.output(arguments["code"])
 
 
+class StubHarness:
+    """Stands in for an agent's session where a test is about the machine: records each turn it is
+    given to answer and hands back scripted `HarnessEvent`s, then the harness's normal end."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = list(events)
+        self.answered: list[str] = []
+
+    async def exchange(self, r: Any) -> Any:
+        from engine.machine.rollout import HarnessEvent
+
+        self.answered.append(r.turn.text)
+        return self.events.pop(0) if self.events else HarnessEvent("end", reason="harness_finished")
+
+
 class EchoEnvironment(envs.Environment):
     """An environment for edge tests: repeats the turn back once, then ends the episode."""
 
