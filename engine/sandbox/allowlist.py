@@ -144,10 +144,10 @@ FILTERED: dict[str, tuple[int, str, str]] = {
     "ioctl": (16, "ioctl", "terminal and descriptor queries; never a file's flags, a signal owner or terminal input"),
     "prctl": (157, "prctl", "naming threads, its own death signal and dumpability, no_new_privs"),
     "personality": (135, "personality", "querying the personality only"),
-    "setrlimit": (160, "rlimit", "lowering its own limits (raising a hard one needs a capability it lacks); "
-                  "the core dump's: success without effect"),
-    "prlimit64": (302, "prlimit", "its own limits (getrlimit and setrlimit go through it); setting the core "
-                  "dump's: success without effect"),
+    "setrlimit": (160, "rlimit", ("lowering its own limits (raising a hard one needs a capability it lacks); "
+                                  "the core dump's: success without effect")),
+    "prlimit64": (302, "prlimit", ("its own limits (getrlimit and setrlimit go through it); setting the core "
+                                   "dump's: success without effect")),
     "sched_setaffinity": (203, "pid0", "pinning its own threads (torch)"),
     "sched_setparam": (142, "pid0", "its own scheduling"), "sched_setscheduler": (144, "pid0", "its own scheduling"),
     "sched_setattr": (314, "pid0", "its own scheduling"),

@@ -363,8 +363,8 @@ MULTIPROCESSING = ("refused: its locks and pools need /dev/shm, which a run may 
 
 def cannot_hold(caps: _Capabilities, layers: dict[str, Any]) -> list[str]:
     """What the sandbox cannot hold on this host, in words (see docs/sandbox-modes.md)."""
-    gaps = ["signals between concurrent runs through a futex on a file page they all map (the interpreter's): "
-            "the kernel keys it by the file; only separate machines hold it"]
+    gaps = [("signals between concurrent runs through a futex on a file page they all map (the interpreter's): "
+             "the kernel keys it by the file; only separate machines hold it")]
     if not caps.mntns:
         gaps.append("total disk use of a run: no private tmpfs, RLIMIT_FSIZE bounds each file only")
         gaps.append("sizes and owners of files outside the work dir that the run's uid may look up: Landlock does "

@@ -18,13 +18,13 @@ import asyncio
 import fcntl
 import os
 import signal
-import sysconfig
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from engine.sandbox.attacks.lab import Lab, Run, Verdict, attack, processes
+from engine.sandbox.attacks.lab import SITE, Lab, Run, Verdict, attack, processes, site_file
 
 _MIB = 1 << 20
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS = 0x80086601, 0x40086602
@@ -70,17 +70,12 @@ def _flags(path: str) -> int:
 
 @attack("file flags of a host file through ioctl (chattr)")
 async def ioctl_flags(lab: Lab) -> Verdict:
-    # A file of the engine's own user that the run may read (its interpreter's site-packages, which
-    # an ordinary user owns): FS_IOC_SETFLAGS needs ownership only, never a descriptor open for writing.
-    site = sysconfig.get_paths()["purelib"]
-    path = os.path.join(site, f"attack-flags-{uuid.uuid4().hex[:8]}.txt")
+    # A file of the engine's own user: FS_IOC_SETFLAGS needs ownership only, never a descriptor open for writing.
     try:
-        with open(path, "w") as f:  # noqa: ASYNC230 - one byte
-            f.write("x")
-        os.chmod(path, 0o644)
+        path = site_file("attack-flags")
         before = _flags(path)
     except OSError as e:
-        return Verdict(True, f"nothing to attack: the engine's user cannot write or query {site} ({e.strerror})", "")
+        return Verdict(True, f"nothing to attack: the engine's user cannot write or query {SITE} ({e.strerror})", "")
     code = f"""
 import ctypes, os
 lib = ctypes.CDLL(None, use_errno=True)
@@ -211,7 +206,7 @@ time.sleep(0.4)
 """
     task = asyncio.create_task(lab.run(code, memory_bytes=budget, timeout_s=10.0))
     seen = await _watch(task, tag, lambda pid: {"pte": int(_status(pid, "VmPTE").split()[0]) * 1024,
-                                                "oom": int(open(f"/proc/{pid}/oom_score_adj").read())})
+                                                "oom": int(Path(f"/proc/{pid}/oom_score_adj").read_text())})
     run = task.result()
     peak = max((s["pte"] for s in seen), default=0)
     oom = sorted({s["oom"] for s in seen})
