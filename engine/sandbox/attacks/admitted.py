@@ -2,7 +2,8 @@
 through what the kernel shares beneath every run: a host file's flags set by `ioctl`, a
 descriptor's signal owner aimed at the engine, a futex woken across runs, page tables of a sparse
 address space, a crash's core dump, real-time scheduling, the stdin the engine hands over, and a
-chain of processes that each fork and exit at once, which no scan of the process table catches.
+chain of processes that each fork and exit at once, which no scan of the process table catches,
+and fork bombs that leave the forker no room for the next run.
 
 Registered on import (see `engine.sandbox.attacks.suite`), last. Each verdict is read from outside
 the run: the host file's flags, the signals the engine received, when a concurrent run's wait
@@ -17,6 +18,7 @@ import array
 import asyncio
 import fcntl
 import os
+import resource
 import signal
 import time
 import uuid
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine.sandbox import client, runner
 from engine.sandbox.attacks.lab import SITE, Lab, Run, Verdict, attack, processes, site_file
 
 _MIB = 1 << 20
@@ -348,3 +351,68 @@ if os.fork() == 0:
                    "process of the uid is left, however a scan saw it; or the process group, kept whole",
                    f"{len(seen)} processes of the chain seen in the 0.5 s after the call returned (exit "
                    f"{run.result.returncode}, killed {run.result.killed})")
+
+
+def _forker() -> int | None:
+    """The pid of this engine's forker (the zygote's child that is a python process), if running."""
+    z = client.current()
+    if z is None:
+        return None
+    for task in os.listdir(f"/proc/{z.proc.pid}/task"):
+        with open(f"/proc/{z.proc.pid}/task/{task}/children") as f:
+            for pid in map(int, f.read().split()):
+                if Path(f"/proc/{pid}/comm").read_text().strip().startswith("python"):
+                    return pid
+    return None
+
+
+BOMB = """
+import time
+made = 0
+while True:
+    try:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        made += 1
+    except OSError:
+        break
+report(made=made)
+time.sleep(1.5)
+"""
+
+
+@attack("fork bombs that leave the forker no room for the next run")
+async def no_room_to_fork(lab: Lab) -> Verdict:
+    # Where RLIMIT_NPROC counts all of a user's processes (an ordinary user's engine), concurrent fork
+    # bombs hold what the limit allows: the forker's fork of the next run fails. Here the forker's own
+    # soft limit is lowered to a little above what the user holds now (a cluster's `ulimit -u` near
+    # it), and restored after. As root the limit does not apply to the forker: nothing to take away.
+    await lab.run("report(ready=True)\n")  # the zygote and its forker are up
+    forker = _forker()
+    if forker is None:
+        return Verdict(False, "not observed: no forker found", "")
+    before = resource.prlimit(forker, resource.RLIMIT_NPROC)
+    resource.prlimit(forker, resource.RLIMIT_NPROC, (runner._tasks_of(os.getuid()) + 8, before[1]))
+    try:
+        bombs = [asyncio.create_task(lab.run(NAMED.format(tag="nr") + BOMB)) for _ in range(2)]
+        await asyncio.sleep(0.8)
+        try:
+            asked = time.monotonic()
+            later = await lab.run("report(answer=6 * 7)\n", timeout_s=10.0)
+            outcome = f"the next run answered {later.facts.get('answer')} after {time.monotonic() - asked:.1f} s"
+            answered = later.facts.get("answer") == 42
+        except runner.SandboxError as e:
+            outcome, answered = f"the next run raised SandboxError: {str(e)[:80]}", False
+        done = await asyncio.gather(*bombs, return_exceptions=True)
+    finally:
+        try:
+            resource.prlimit(forker, resource.RLIMIT_NPROC, before)
+        except OSError:
+            pass  # the forker is gone
+    made = [d.facts.get("made") if isinstance(d, Run) else type(d).__name__ for d in done]
+    same = _forker() == forker
+    contained = answered and same and all(isinstance(d, Run) for d in done)
+    return Verdict(contained, "a fork the forker cannot make waits for room (within the run's timeout); the forker "
+                   "and every other run stay", f"bombs made {made} processes; {outcome}; the forker "
+                   f"{'is the same' if same else 'DIED'}")
