@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import pwd
+import resource
 import sys
 import sysconfig
 import threading
@@ -80,6 +81,7 @@ _GIB, _MIB = 1 << 30, 1 << 20
 MIN_PROCESS_BYTES = 256 * _MIB  # without cgroups: the least address space worth a process
 MIN_FILES = 16  # descriptors a process keeps whatever the budget (stdio, imports, a few files)
 KERNEL_SHARE = 4  # at most 1/KERNEL_SHARE of a run's memory is what the kernel holds for its descriptors
+ENGINE_ROOM = 32  # without a uid per run: tasks of the user's RLIMIT_NPROC no run may take (the engine's own)
 
 
 class SandboxError(RuntimeError):
@@ -492,6 +494,12 @@ def _rlimits(limits: SandboxLimits, caps: _Capabilities, uid: int | None) -> dic
     # leftovers of the uid would make the kernel refuse the drop (PF_NPROC_EXCEEDED).
     if uid is None:  # without a uid of our own it must leave room for this user's others (and the supervisor)
         nproc += _tasks_of(os.getuid()) + 1
+        # ... and never reach the engine's own limit: the kernel checks each fork against the forking
+        # process's limit, so concurrent runs' fork bombs stop ENGINE_ROOM tasks short of it, and the
+        # engine, its zygote and forker can still start a thread or a process.
+        engine, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if engine != resource.RLIM_INFINITY:
+            nproc = max(1, min(nproc, engine - ENGINE_ROOM))
     return {"NPROC": nproc, "FSIZE": limits.max_file_bytes, "NOFILE": budget.files,
             "CPU": limits.cpu_seconds(), "AS": budget.address_space}
 

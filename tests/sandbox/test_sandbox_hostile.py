@@ -149,6 +149,21 @@ def test_a_run_cgroup_is_busy_by_its_counter_not_by_a_listing(tmp_path: Path) ->
     assert child.cgroups_busy([[str(tmp_path / "gone"), []]])  # cannot tell: clean
 
 
+def test_without_a_uid_per_run_runs_stop_short_of_the_engines_own_process_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # RLIMIT_NPROC counts all of the user's tasks, and each fork is checked against the forking
+    # process's own limit: a run's stays ENGINE_ROOM below the engine's, so fork bombs in every run
+    # together leave the engine room for its threads, its zygote's and its forker's forks.
+    caps = sandbox._Capabilities(root=False)
+    monkeypatch.setattr(sandbox, "_tasks_of", lambda uid: 90)
+    monkeypatch.setattr(sandbox.resource, "getrlimit", lambda which: (100, 200))
+    assert sandbox._rlimits(SandboxLimits(), caps, None)["NPROC"] == 100 - sandbox.ENGINE_ROOM
+    monkeypatch.setattr(sandbox.resource, "getrlimit", lambda which: (sandbox.resource.RLIM_INFINITY,) * 2)
+    assert sandbox._rlimits(SandboxLimits(), caps, None)["NPROC"] == 16 + 90 + 1  # 4 GiB: 16 processes
+    monkeypatch.setattr(sandbox.resource, "getrlimit", lambda which: (20, 20))
+    assert sandbox._rlimits(SandboxLimits(), caps, None)["NPROC"] == 1  # no room at all: the run alone
+
+
 @pytest.fixture
 def two_uids(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, int]]:
     """Runs without namespaces (the work dir on the host, as in a default container) on two uids."""

@@ -20,6 +20,7 @@ import fcntl
 import os
 import resource
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -385,15 +386,19 @@ time.sleep(1.5)
 @attack("fork bombs that leave the forker no room for the next run")
 async def no_room_to_fork(lab: Lab) -> Verdict:
     # Where RLIMIT_NPROC counts all of a user's processes (an ordinary user's engine), concurrent fork
-    # bombs hold what the limit allows: the forker's fork of the next run fails. Here the forker's own
-    # soft limit is lowered to a little above what the user holds now (a cluster's `ulimit -u` near
-    # it), and restored after. As root the limit does not apply to the forker: nothing to take away.
+    # bombs hold what the limit allows: the forker's fork of the next run fails, and the engine's own
+    # threads. Here the forker's soft limit is lowered to a little above what the user holds now, the
+    # engine's to that and its room (a cluster's `ulimit -u` near them), and both restored after. As
+    # root the limit does not apply to the forker or the engine: nothing to take away.
     await lab.run("report(ready=True)\n")  # the zygote and its forker are up
     forker = _forker()
     if forker is None:
         return Verdict(False, "not observed: no forker found", "")
     before = resource.prlimit(forker, resource.RLIMIT_NPROC)
-    resource.prlimit(forker, resource.RLIMIT_NPROC, (runner._tasks_of(os.getuid()) + 8, before[1]))
+    mine = resource.getrlimit(resource.RLIMIT_NPROC)
+    room = runner._tasks_of(os.getuid()) + 8
+    resource.prlimit(forker, resource.RLIMIT_NPROC, (room, before[1]))
+    resource.setrlimit(resource.RLIMIT_NPROC, (room + runner.ENGINE_ROOM, mine[1]))  # the engine's own: runs stay below
     try:
         bombs = [asyncio.create_task(lab.run(NAMED.format(tag="nr") + BOMB)) for _ in range(2)]
         await asyncio.sleep(0.8)
@@ -404,15 +409,24 @@ async def no_room_to_fork(lab: Lab) -> Verdict:
             answered = later.facts.get("answer") == 42
         except runner.SandboxError as e:
             outcome, answered = f"the next run raised SandboxError: {str(e)[:80]}", False
+        try:  # the engine itself: a thread of its own while the bombs hold their processes
+            await asyncio.to_thread(threading.Thread(target=lambda: None).start)
+            thread = "started"
+        except RuntimeError as e:
+            thread = f"NOT started ({e})"
         done = await asyncio.gather(*bombs, return_exceptions=True)
     finally:
+        resource.setrlimit(resource.RLIMIT_NPROC, mine)
         try:
             resource.prlimit(forker, resource.RLIMIT_NPROC, before)
         except OSError:
             pass  # the forker is gone
     made = [d.facts.get("made") if isinstance(d, Run) else type(d).__name__ for d in done]
     same = _forker() == forker
-    contained = answered and same and all(isinstance(d, Run) for d in done)
-    return Verdict(contained, "a fork the forker cannot make waits for room (within the run's timeout); the forker "
-                   "and every other run stay", f"bombs made {made} processes; {outcome}; the forker "
-                   f"{'is the same' if same else 'DIED'}")
+    contained = answered and same and all(isinstance(d, Run) for d in done) and thread == "started"
+    how = ("runs stop short of the engine's own process limit; a fork the forker cannot make waits for room "
+           "(within the run's timeout); the forker and every other run stay" if contained else
+           "NOT contained: a fork without room took the forker (and every run in flight) or the engine's threads")
+    return Verdict(contained, how,
+                   f"bombs made {made} processes; {outcome}; the forker {'is the same' if same else 'DIED'}; "
+                   f"a thread of the engine {thread}")
