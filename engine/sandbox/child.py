@@ -317,8 +317,11 @@ def enter(cfg: dict[str, Any], sys_path: list[str], before_drop: Any = None) -> 
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)  # SIGPIPE: as python does
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     # 1, not 0: where core_pattern pipes a crash to a helper of the host's, the kernel runs that
-    # helper (as root, outside every layer here) whatever the limit, but for exactly 1.
-    resource.setrlimit(resource.RLIMIT_CORE, (1, 1))
+    # helper (as root, outside every layer here) whatever the limit, but for exactly 1. A hard
+    # limit of 0 (a host that forbids core dumps) cannot be raised without a capability: kept.
+    hard = resource.getrlimit(resource.RLIMIT_CORE)[1]
+    core = 1 if hard == resource.RLIM_INFINITY or hard >= 1 else 0
+    resource.setrlimit(resource.RLIMIT_CORE, (core, core))
     _first_for_the_oom_killer()
     join_cgroups(cfg["cgroups"])  # in the host's mount namespace: /sys is read-only in ours
     template = cfg.get("template")

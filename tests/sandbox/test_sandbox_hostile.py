@@ -15,6 +15,8 @@ import logging
 import os
 import signal
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,6 +164,20 @@ def test_without_a_uid_per_run_runs_stop_short_of_the_engines_own_process_limit(
     assert sandbox._rlimits(SandboxLimits(), caps, None)["NPROC"] == 16 + 90 + 1  # 4 GiB: 16 processes
     monkeypatch.setattr(sandbox.resource, "getrlimit", lambda which: (20, 20))
     assert sandbox._rlimits(SandboxLimits(), caps, None)["NPROC"] == 1  # no room at all: the run alone
+
+
+def test_a_host_that_forbids_core_dumps_still_runs_code() -> None:
+    # A run's core limit is 1 (no helper of the host's for a crash), unless the engine's hard limit is
+    # 0 already: raising it needs a capability, and the run keeps 0 rather than fail its setup.
+    code = ("import asyncio, resource\nresource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+            "from engine.sandbox import SandboxLimits, run_python\n"
+            "r = asyncio.run(run_python('import resource; print(resource.getrlimit(resource.RLIMIT_CORE))', "
+            "SandboxLimits(timeout_s=10)))\nprint(r.returncode, r.stdout.strip())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.strip() == "0 (0, 0)", done.stderr[-500:]
+    assert asyncio.run(run_python("import resource; print(resource.getrlimit(resource.RLIMIT_CORE))",
+                                  FAST)).stdout == "(1, 1)\n"
 
 
 @pytest.fixture
