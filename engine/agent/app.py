@@ -168,6 +168,8 @@ class _Door:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             return _problem(request, dialect, Problem.invalid(f"the body is not JSON: {exc}"), key)
+        except RecursionError:  # valid JSON nested past the parser's stack: refused like any unreadable body
+            return _problem(request, dialect, Problem.invalid("the body is JSON nested too deep to read"), key)
         try:
             asked = read(body)
         except BadRequest as exc:

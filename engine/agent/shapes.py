@@ -284,6 +284,6 @@ def arguments_object(arguments: str) -> dict[str, Any] | None:
     """A call's arguments as an object, or None when the text is not a JSON object."""
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
         return None
     return value if isinstance(value, dict) else None

@@ -288,6 +288,23 @@ def test_a_head_with_bare_lf_line_ends_fails_at_once_not_after_the_request_timeo
     assert len(server.generates) == 1 and took < SLACK
 
 
+NESTED = b"[" * 100_000 + b"]" * 100_000  # valid JSON, deeper than any parser's stack
+
+
+@pytest.mark.parametrize("status, kind, reason, posts", [
+    (200, "unavailable", "request_failed", 2),  # a body that is not JSON: retried, then given up
+    (500, "unavailable", "request_failed", 2),
+    (400, "rejected", "request_rejected", 1),   # a refusal: final, its message quoted
+])
+def test_a_reply_nested_past_the_parsers_stack_is_a_failed_request_never_a_crash(
+        status: int, kind: str, reason: str, posts: int) -> None:
+    server = LoopbackServer([send(status, NESTED)], repeat_last=True)
+    s, _ = roll(server, engine_retry_attempts=2, engine_retry_base_delay=0.0)
+    fsm = meta(s)
+    assert fsm["termination_reason"] == reason and fsm["engine_error"].startswith(f"{kind}: "), fsm["engine_error"]
+    assert "RecursionError" not in fsm["engine_error"] and len(server.generates) == posts
+
+
 def test_a_url_without_a_scheme_is_a_setup_error_and_nothing_is_posted() -> None:
     async def go() -> tuple[list[str], int]:
         async with LoopbackServer([send(200, ANSWER)], repeat_last=True) as server:
