@@ -1,6 +1,6 @@
 """A small MCP server written with the SDK, for the tests.
 
-    python mcp_server.py [--http PORT [--token-env NAME]] [--pidfile F] [--prefix P] [--ignore-term] [--tag T]
+    python mcp_server.py [--http PORT [--token-env NAME]] [--pidfile F] [--prefix P] [--ignore-term] [--tag T] [--daemon]
 
 Tools: `add` (sum two integers), `slow_echo` (answers after a while; writes the server's pid
 to `--pidfile` first, so a test can kill or stop it mid-call), `freeze` (writes it too, then blocks
@@ -10,7 +10,8 @@ length of the API_KEY it was given, never the key) and `Not-A-State` (a name tha
 state). The SDK refuses to list an invalid input schema; `raw_mcp_server.py` lists some.
 `--prefix` renames the tools, so two servers can be told apart; `--ignore-term` makes it ignore
 SIGTERM (a hung server that only SIGKILL ends); `--tag` only marks its command line, so a test
-can find every process it left. Over HTTP, `--token-env NAME` refuses (401) every request
+can find every process it left; `--daemon` starts a process that leaves the server's process
+group (a session of its own) holding the server's stdout, marked `escaped-<tag>`. Over HTTP, `--token-env NAME` refuses (401) every request
 without `Authorization: Bearer <the value of NAME>`.
 """
 
@@ -91,7 +92,14 @@ if __name__ == "__main__":
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--token-env", default=None)
+    parser.add_argument("--daemon", action="store_true")
     ns = parser.parse_args()
+    if ns.daemon:
+        import subprocess
+        import sys
+
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"escaped-{ns.tag}"],
+                         start_new_session=True, stdin=subprocess.DEVNULL)
     if ns.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     server = build(ns.prefix, ns.pidfile)
