@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import json
 import logging
 import math
 import os
@@ -58,6 +59,29 @@ def exit_text(returncode: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-returncode}"
     return f"exited with status {returncode}"
+
+
+def unreadable_reply(line: bytes, error: ValueError) -> Any:
+    """A reply to a request (it has the request's id) that the SDK cannot read, as an error reply
+    to that request, so the call fails now, saying why, instead of waiting out its timeout; None
+    for a line that is no reply. The standard library reads what the SDK refuses: a lone
+    surrogate such as "\\udcff" (Python's json.dumps of text read with surrogateescape)."""
+    from mcp.types import PARSE_ERROR, ErrorData, JSONRPCError
+
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or "method" in data or not ("result" in data or "error" in data):
+        return None
+    request = data.get("id")
+    if type(request) not in (int, str):
+        return None
+    why = str(error).splitlines()
+    reason = next((text.strip() for text in why[1:] if text.strip()), why[0] if why else "")
+    reason = reason.split(" [type=")[0]  # pydantic then quotes the line: the server's data, not the reason
+    return JSONRPCError(jsonrpc="2.0", id=request, error=ErrorData(
+        code=PARSE_ERROR, message=f"a reply that is not JSON-RPC the MCP SDK reads ({reason[:200]})"))
 
 
 class ServerProcess:
@@ -130,9 +154,11 @@ class ServerProcess:
                     continue
                 try:
                     message = jsonrpc_message_adapter.validate_json(line, by_name=False)
-                except ValueError:  # not JSON-RPC (a banner, a stray print): skipped, as a call that
-                    log.debug("an MCP server wrote a line that is not JSON-RPC; skipped")  # waits on it times out
-                    continue
+                except ValueError as exc:
+                    message = unreadable_reply(line, exc)
+                    if message is None:  # not JSON-RPC (a banner, a stray print): skipped
+                        log.debug("an MCP server wrote a line that is not JSON-RPC; skipped")
+                        continue
                 await self._to_session.send(SessionMessage(message))
         except Exception:  # noqa: BLE001 - the session is gone (a closed stream), or the pipe broke: it ends
             return
