@@ -267,6 +267,11 @@ DAY = 86400.0
 MAX_CONNECTIONS = 16384
 
 SERVER, TOOLS, BUDGETS, AGENT = "server and settings", "tools", "budgets and sampling", "agents"
+LONG = "long rollouts"
+# The user message that asks the policy for a summary (engine_compaction: summarize).
+COMPACTION_PROMPT = ("Your context is nearly full. Summarize the conversation so far for yourself: the task, what "
+                     "you have tried, what you found, and what is left to do. Write only the summary; you will go on "
+                     "from it and the latest turns.")
 
 SETTINGS: dict[str, Setting] = {s.key: s for s in (
     # engine_* keys: set in the YAML of --custom-config-path (or `run --config`)
@@ -315,6 +320,31 @@ SETTINGS: dict[str, Setting] = {s.key: s for s in (
             flag=Flag("--agent-matcher", "NAME", AGENT)),
     Setting("engine_agent_models", "names", ("policy",), "the model names an agent may ask for (/v1/models lists them); "
             "* takes any name"),
+    Setting("engine_compaction", str, "off", "what happens before a segment's context overflows: off (it ends "
+            "TRUNCATED context_full), summarize (the policy writes a summary; a new segment starts from the prompt, the "
+            "summary and the latest turns) or drop_oldest (a new segment starts without the oldest tool exchanges); "
+            "needs engine_profile: chat", choices=("off", "summarize", "drop_oldest"), flag=Flag("--compaction", "MODE", LONG)),
+    Setting("engine_compaction_threshold", int, None, "tokens (prompt + response of the open segment) at which it is "
+            "compacted; below the context", low=1, high=10**9, unset="3/4 of the context",
+            flag=Flag("--compaction-threshold", "N", LONG)),
+    Setting("engine_compaction_keep_turns", int, 2, "the latest model turns (with what answered them) a compacted "
+            "segment keeps; fewer where they would not fit under the threshold", low=0, high=100_000),
+    Setting("engine_compaction_summary_tokens", int, 1024, "tokens the policy may write for a summary", low=1, high=10**7),
+    Setting("engine_compaction_train_summary", bool, True, "train the summary the policy writes (false: it stays in "
+            "its segment with mask 0)"),
+    Setting("engine_compaction_prompt", str, COMPACTION_PROMPT, "the user message that asks the policy for a summary"),
+    Setting("engine_earlier_reasoning", str, "as_template", "earlier turns' reasoning where the chat template drops "
+            "it: as_template (each turn's prompt is the template's own render, as served; a new segment where that is "
+            "not a prefix of the last) or keep (one sequence keeping it: a train-serve difference)",
+            choices=("as_template", "keep"), flag=Flag("--earlier-reasoning", "MODE", LONG)),
+    Setting("engine_samples", str, "trajectory", "what one sample is: trajectory (a segment: turns whose prompts "
+            "extend each other, merged) or per_turn (one sample per model turn, its exact prompt and output)",
+            choices=("trajectory", "per_turn"), flag=Flag("--samples", "MODE", LONG)),
+    Setting("engine_segment_reward", str, "shared", "a rollout returned as several samples: each gets its reward "
+            "(shared), or the last gets it and each earlier one engine_segment_discount times the next's (discounted)",
+            choices=("shared", "discounted")),
+    Setting("engine_segment_discount", float, 0.9, "the discount per sample back from the last (engine_segment_reward: "
+            "discounted)", low=0, high=1),
     Setting("engine_request_timeout", float, 1800.0, "seconds one /generate request may take", low=0, high=7 * DAY, above_low=True),
     Setting("engine_connect_timeout", float, 10.0, "seconds to connect to the server", low=0, high=3600, above_low=True),
     Setting("engine_max_reply_bytes", int, 1 << 30, "bytes one /generate reply may hold; a larger one fails the request", low=1 << 16, high=1 << 40),
@@ -578,6 +608,17 @@ class EngineConfig:
     agent_timeout: float = setting_field("engine_agent_timeout")
     agent_matcher: str = setting_field("engine_agent_matcher")
     agent_models: tuple[str, ...] = setting_field("engine_agent_models")
+    # Long rollouts (docs/long-rollouts.md): compaction, earlier reasoning, what one sample is, its reward.
+    compaction: str = setting_field("engine_compaction")
+    compaction_threshold: int | None = setting_field("engine_compaction_threshold")  # None: 3/4 of the context
+    compaction_keep_turns: int = setting_field("engine_compaction_keep_turns")
+    compaction_summary_tokens: int = setting_field("engine_compaction_summary_tokens")
+    compaction_train_summary: bool = setting_field("engine_compaction_train_summary")
+    compaction_prompt: str = setting_field("engine_compaction_prompt")
+    earlier_reasoning: str = setting_field("engine_earlier_reasoning")
+    samples: str = setting_field("engine_samples")
+    segment_reward: str = setting_field("engine_segment_reward")
+    segment_discount: float = setting_field("engine_segment_discount")
     request_timeout: float = setting_field("engine_request_timeout")
     connect_timeout: float = setting_field("engine_connect_timeout")
     max_reply_bytes: int = setting_field("engine_max_reply_bytes")  # routing replay replies run to 100s of MB
@@ -619,6 +660,26 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         if self.routing_replay and not (self.num_layers and self.moe_router_topk):
             raise ValueError("routing replay needs num_layers and moe_router_topk (slime args) to be set")
+        if self.compaction != "off":
+            self.threshold()  # refuses a threshold the context cannot hold, with one sentence
+
+    def threshold(self) -> int | None:
+        """Tokens of the open segment at which it is compacted (None: compaction is off).
+
+        Refused (SettingsError) when it is at or above the context, or when neither it nor a
+        context is known: a segment would overflow before it could be compacted.
+        """
+        if self.compaction == "off":
+            return None
+        context, asked = self.max_context_len, self.compaction_threshold
+        if asked is None:
+            if context is None:
+                raise SettingsError(f"engine_compaction: {self.compaction} needs engine_compaction_threshold or a "
+                                    "context (rollout_max_context_len)")
+            return context * 3 // 4
+        if context is not None and asked >= context:
+            raise SettingsError(f"engine_compaction_threshold must be below the context ({context} tokens), got {asked}")
+        return asked
 
     @property
     def expert_row_bytes(self) -> int:

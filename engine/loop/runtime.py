@@ -41,6 +41,9 @@ class Runtime:
     abort: AbortSignal = attrs.field(factory=AbortSignal)
     abort_check: Callable[[], bool] | None = None  # the caller's own flag (slime's, via the adapter)
     environment: Any = None  # the chosen `engine.envs.Environment`, set up for this runtime (None: none)
+    # Long rollouts (docs/long-rollouts.md), read once from the settings and the profile's template.
+    compact_at: int | None = attrs.field(default=None, init=False)  # engine_compaction's threshold (None: off)
+    reasoning_rule: str = attrs.field(default="kept", init=False)  # which earlier reasoning the prompt keeps
     # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
@@ -52,6 +55,27 @@ class Runtime:
     def __attrs_post_init__(self) -> None:
         if self.environment is None:  # the one `engine_environment` names, set up for this runtime
             self.environment = set_up_environment(self.cfg, self.profile)
+        self.compact_at = self.cfg.threshold()
+        renders = callable(getattr(self.profile, "render_messages", None))
+        if self.compact_at is not None and not renders:
+            raise ValueError(f"engine_compaction: {self.cfg.compaction} renders the compacted prompt with a chat "
+                             f"template; the {self.cfg.profile} profile has none (use engine_profile: chat)")
+        if self.cfg.earlier_reasoning == "as_template" and renders:
+            self.reasoning_rule = self.profile.earlier_reasoning()  # type: ignore[attr-defined]
+
+    @property
+    def keeps_history(self) -> bool:
+        """Whether samples keep their conversation as messages: to compact it, or to render the next
+        prompt as the template does where it drops earlier reasoning."""
+        return self.compact_at is not None or self.reasoning_rule != "kept"
+
+    def fans_out(self) -> bool:
+        """Whether a sample of the engine's own loop may come back as several (slime's fan-out): a
+        compaction, a render that drops earlier reasoning (after any turn, or after a user turn where
+        an environment writes them), or one sample per turn. Then every sample comes back as a list,
+        one shape for slime's loop to flatten."""
+        return (self.compact_at is not None or self.cfg.samples == "per_turn" or self.reasoning_rule == "dropped"
+                or (self.reasoning_rule == "until_user" and self.environment is not None))
 
     def in_flight(self) -> InFlight:
         """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.

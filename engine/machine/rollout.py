@@ -10,10 +10,11 @@
   the counters the guards read, and the partial-rollout bookkeeping. It never does I/O; the
   driver fills its turn scratch between triggers.
 
-An agent's session (`engine_agent`) may break its history: the rollout then holds the
-segments a break closed (`ClosedSegment`: the prompt, the aligned arrays, why it ended and
-where its turns and path lie in the record) beside the trajectory of the open one. Each
-segment becomes one sample.
+An agent's session (`engine_agent`) may break its history, and the engine's own loop breaks it
+where the chat template renders the next prompt otherwise (earlier reasoning dropped) or the
+context is compacted (`engine_compaction`): the rollout then holds the segments a break closed
+(`ClosedSegment`: the prompt, the aligned arrays, why it ended and where its turns and path lie
+in the record) beside the trajectory of the open one. Each segment becomes one sample.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from engine.profiles.base import CallResult, ToolCall, Turn
 from engine.sglang.wire import Reply
 
 ResumeAt = Literal["generate", "tools"]
-BreakReason = Literal["reasoning_dropped", "turn_rewritten", "history_compacted", "history_forked", "history_contradicts"]
+BreakReason = Literal["reasoning_dropped", "turn_rewritten", "history_compacted", "history_forked", "history_contradicts",
+                      "summarized", "oldest_dropped"]
 EndReason = Literal["harness_finished", "harness_crashed", "harness_timed_out"]
 
 
@@ -68,6 +70,7 @@ class Inputs:
     metadata: Any = None  # the sample's metadata, read-only, for the environment's `start`
     harness: Any = None  # an agent's session (`engine.loop.harness.Harness`): the harness answers the model
     rendered: tuple[int, ...] | None = None  # the prompt's ids, rendered by the caller (an agent's first call)
+    compact_at: int | None = None  # engine_compaction: the open segment's length that starts COMPACT (None: off)
 
 
 @attrs.frozen
@@ -89,6 +92,38 @@ class HarnessEvent:
     stop: tuple[str, ...] = ()
 
 
+@attrs.frozen
+class SegmentBreak:
+    """The next prompt as the chat template renders the conversation, where that does not extend
+    the sequence sampled so far (the template dropped earlier reasoning): the next segment's
+    prompt, and the guard of the break's edge."""
+
+    reason: str
+    prompt_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class Compaction:
+    """What COMPACT's step made of the open segment (engine_compaction), for its edges to act on.
+
+    `summarize`: `asked` are the ids that ask for the summary (a user message and the generation
+    prompt), appended after the last `cut` tokens (the generation prompt the sequence ended with)
+    are cut; the reply is the turn scratch's, `summary` its text outside reasoning ("" when there
+    is none: refused). `prompt_ids` is the next segment's prompt (empty when even the prompt and
+    the summary, or the prompt alone, reach the threshold), `history` its conversation, and
+    `dropped` how many model turns it leaves out. `room`: the summary could be asked for at all.
+    """
+
+    mode: Literal["summarize", "drop_oldest"]
+    prompt_ids: tuple[int, ...] = ()
+    history: Any = None
+    dropped: int = 0
+    cut: int = 0
+    asked: tuple[int, ...] = ()
+    summary: str | None = None
+    room: bool = True
+
+
 @attrs.define(eq=False, slots=True)
 class TurnScratch:
     """One turn's I/O results, read by the guards; replaced whole at the start of every turn."""
@@ -102,6 +137,8 @@ class TurnScratch:
     observation_ids: list[int] = attrs.field(factory=list)
     env_reply: Any = None  # the environment's `Reply` to this turn
     harness: HarnessEvent | None = None  # an agent's next call (or its end), after this turn was answered
+    rerender: SegmentBreak | None = None  # the template's own next prompt, where it does not extend the sequence
+    compaction: Compaction | None = None  # COMPACT's plan for the open segment
 
 
 @attrs.define(eq=False, slots=True)
@@ -222,6 +259,9 @@ class Rollout:
     segment_start: Marks = attrs.field(factory=Marks)
     call_max_new_tokens: int | None = None
     call_stop: tuple[str, ...] = ()
+    # The conversation as the template's messages (`engine.profiles.history.History`), kept where
+    # the template may render it otherwise than the sequence (earlier reasoning) or compaction is on.
+    history: Any = None
 
     def take_call(self, event: HarnessEvent) -> None:
         """The harness's call asks its own cap and stop strings for the turn that answers it."""

@@ -29,7 +29,7 @@ import json
 import logging
 import re
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from engine import tools
 from engine.profiles import parsers
@@ -40,6 +40,7 @@ from engine.profiles.tokenizer import Codec
 log = logging.getLogger(__name__)
 _SENTINEL = "@@assistant-turn-sentinel@@"
 _USER_SLOT = "@@user-turn-slot@@"
+_RESULT_SLOT = "@@tool-result-slot@@"
 _WARNED: set[tuple[str, str]] = set()
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -70,6 +71,8 @@ class ChatProfile:
         self.tokenizer = tokenizer
         self.codec = Codec(tokenizer)
         self._glue: tuple[dict[str, Any], str, Form] | None = None  # the turn tool_delta renders, its text from the sentinel on
+        self._reasoning_rule: EarlierReasoning | None = None  # learnt on first use (`earlier_reasoning`)
+        self._asking: dict[str, tuple[list[int], list[int]]] = {}  # `ask_after_results`, per question
         self.shows_calls = False  # whether the template shows a result's call (name, id): then the glue is per turn
         self.eos = tokenizer.eos_token
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos)
@@ -85,8 +88,8 @@ class ChatProfile:
             log.warning("chat template check (parser %s): %s", self.tool_parser, self.drift)
 
     def render_prompt(self, prompt: Any, tools: list[dict[str, Any]]) -> list[int]:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(prompt_messages(prompt), tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
         return self.encode(text)
 
     def parse_turn(self, text: str) -> Turn:
@@ -106,7 +109,7 @@ class ChatProfile:
 
     def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
         """The template's tokens between this turn and the next assistant turn."""
-        contents = [r.text for r in results] or ["Error: the turn had no usable tool call"]
+        contents = result_contents(results)
         # The template's glue keeps its special tokens; what the tools printed is plain text
         # (a printed <|im_end|> must not close the turn): each special-token string inside a
         # tool's text is stood in for by a placeholder the template leaves alone.
@@ -215,6 +218,81 @@ class ChatProfile:
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow it")
         return full[at + len(tail):]
 
+    # -- the conversation rendered again (engine.profiles.history) -------------------------------
+    def earlier_reasoning(self) -> EarlierReasoning:
+        """What the template keeps of an earlier turn's reasoning when it renders the conversation
+        again: "kept", "until_user" (until a user message follows the turn: Qwen3, Qwen3.5, GLM-4.7)
+        or "dropped" (none but the turn it prompts for). Learnt from the template once, as the glue
+        is: a probe turn's reasoning is looked for in its renders followed by a tool result, and by
+        a user message."""
+        if self._reasoning_rule is None:
+            self._reasoning_rule = _reasoning_rule(self)
+        return self._reasoning_rule
+
+    def split_turn(self, text: str) -> tuple[str, str, tuple[ToolCall, ...]]:
+        """A model turn as a server's chat API reads it: (its reasoning without the tags, the text
+        outside reasoning and calls without the tokens that end the turn, the well-formed calls)."""
+        reasoning, acting = parsers.split_reasoning(text) if self.parser.reasoning else ("", text)
+        inner = reasoning.strip()
+        inner = inner.removeprefix(_THINK_OPEN).removesuffix(_THINK_CLOSE).strip() if inner else ""
+        parsed = self.parser.parse(acting, registered_schemas())
+        content = parsed.content
+        specials = self.codec.special_pattern
+        if specials is not None:
+            content = re.sub(f"(?:\\s*(?:{specials.pattern}))+\\s*$", "", content)
+        return inner, content.strip(), tuple(c for c in parsed.calls if not c.error)
+
+    def assistant_message(self, text: str) -> dict[str, Any]:
+        """A model turn (its text as sampled) as this template's assistant message: what a server's
+        chat API hands back for it, and renders again on the next call."""
+        reasoning, content, calls = self.split_turn(text)
+        if not calls:
+            return assistant_turn((False, False, False), reasoning, content, [])
+        form = self.call_form()
+        made = [(c.name, c.id or f"call{i:05d}", c.arguments) for i, c in enumerate(calls)]
+        message = assistant_turn(form, reasoning, content, made)
+        if form[1] and content:  # a template that wants no content beside calls still shows the model's
+            message["content"] = content
+        return message
+
+    def render_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        plain_from: int = 0) -> list[int]:
+        """Ids of `messages` as the template renders them for the next assistant turn. From message
+        `plain_from` on, what is not the model's (tool results, user turns) is plain text, as the
+        engine appended it: a special token's string printed by a tool stays text."""
+        held = _Held(self.codec.special_pattern)
+        sent = [dict(m, content=held.hold(m["content"]))
+                if i >= plain_from and m.get("role") != "assistant" and isinstance(m.get("content"), str) else m
+                for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(sent, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        return held.encode(self, text)
+
+    def ask_after_results(self, question: str) -> tuple[list[int], list[int]]:
+        """How a user message joins a sequence that ends with tool results: (the template's
+        generation prompt, which such a sequence ends with, to cut; the ids that replace it: the
+        user message with `question` as plain text, then the generation prompt again). Learnt from
+        what the template writes after a tool result, alone and with a user message following;
+        ValueError for a template whose tool result reads otherwise once a user message follows it."""
+        known = self._asking.get(question)
+        if known is not None:
+            return known
+        self.tool_delta(["x"])
+        assert self._glue is not None
+        turn = self._glue[0]
+        convo = [_PROBE_USER, turn, *tool_messages(turn, [_RESULT_SLOT])]
+        render = self.tokenizer.apply_chat_template
+        tails = [text[text.rindex(_RESULT_SLOT) + len(_RESULT_SLOT):] for text in (
+            render(convo, tokenize=False), render(convo, tokenize=False, add_generation_prompt=True),
+            render([*convo, {"role": "user", "content": _USER_SLOT}], tokenize=False, add_generation_prompt=True))]
+        closed, ready, asked = tails
+        if not (ready.startswith(closed) and asked.startswith(closed) and _USER_SLOT in asked):
+            raise ValueError("the chat template renders a tool result differently once a user message follows it")
+        before, after = asked[len(closed):].split(_USER_SLOT, 1)
+        found = self.encode(ready[len(closed):]), self.encode(before) + self.codec.encode_plain(question) + self.encode(after)
+        if len(self._asking) < 8:
+            self._asking[question] = found
+        return found
+
     def user_turn_ids(self, text: str, last_token: int | None = None) -> list[int]:
         """An environment's reply as the next user turn (mask 0): the template's tokens from the end
         of this assistant turn to the start of the next, around one user message. The reply is
@@ -281,6 +359,39 @@ def registered_schemas() -> dict[str, Any]:
 
 
 _SCHEMAS: list[Any] = [None, {}]
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+NO_USABLE_CALL = "Error: the turn had no usable tool call"
+EarlierReasoning = Literal["kept", "until_user", "dropped"]
+_REASONING_PROBE = "@@earlier-reasoning-probe@@"
+
+
+def prompt_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A sample's prompt as chat messages: its own list, or its text as one user message."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+
+
+def result_contents(results: list[CallResult]) -> list[str]:
+    """What the tool messages after a turn hold: each answer's text (a note when the turn had no usable call)."""
+    return [r.text for r in results] or [NO_USABLE_CALL]
+
+
+def _reasoning_rule(profile: ChatProfile) -> EarlierReasoning:
+    """Which earlier reasoning the template renders again (see `ChatProfile.earlier_reasoning`).
+    A template that cannot render the probes is taken to keep it: nothing is rendered again."""
+    try:
+        profile.tool_delta(["x"])
+        assert profile._glue is not None
+        turn = assistant_turn(profile._glue[2], _REASONING_PROBE, "Let me check.", _PROBE_CALLS)
+        after_tool = profile.tokenizer.apply_chat_template([_PROBE_USER, turn, *tool_messages(turn, ["42"])],
+                                                           tokenize=False, add_generation_prompt=True)
+        answer = {"role": "assistant", "content": "It is 42.", "reasoning_content": _REASONING_PROBE}
+        after_user = profile.tokenizer.apply_chat_template(
+            [_PROBE_USER, answer, {"role": "user", "content": "And 6 * 8?"}], tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return "kept"
+    if _REASONING_PROBE not in after_tool:
+        return "dropped"
+    return "kept" if _REASONING_PROBE in after_user else "until_user"
 
 
 def incremental_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns: list[tuple[str, list[str]]]) -> list[int]:

@@ -325,6 +325,9 @@ def script_through(state: str) -> tuple[list, dict[str, Any]]:
         return [turn("Hello."), turn("Hello again.")], {"environment": "echo_test"}
     if state == "HARNESS":
         return [turn(CODE)], {"harness": StubHarness([])}
+    if state == "COMPACT":  # a chat tool turn reaches the threshold: drop_oldest has only the prompt left
+        chat_call = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
+        return [turn(chat_call), turn(ANSWER)], {"profile": "chat", "compaction": "drop_oldest", "compaction_threshold": 3}
     return [turn(CODE), turn(ANSWER)], {}
 
 
