@@ -392,9 +392,9 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
             async with gate:
                 if cfg.agent is not None:  # the agent's segments: one sample each
                     out = await run_agent_sample(rt, sample, dict(plan.params))
-                    done = out if isinstance(out, list) else [out]
-                else:
-                    done = [await run_sample(rt, sample, dict(plan.params))]
+                else:  # a sample, or its segments (or turns) where samples fan out
+                    out = await run_sample(rt, sample, dict(plan.params))
+                done = out if isinstance(out, list) else [out]
                 for each in done:
                     if each.status.name in ("COMPLETED", "TRUNCATED", "FAILED") and each.reward is None:
                         each.reward = await reward_func(None, each)

@@ -151,3 +151,5 @@ STATES: tuple[StateDef, ...] = (
 TOOL_STEP = Step("tool_calls", awaits=True)  # every tool state's step: run the turn's waiting calls to its tool
 TERMINALS = frozenset(d.name for d in STATES if d.kind == "terminal")
 BY_NAME: dict[str, StateDef] = {d.name: d for d in STATES}
+# The edges that add an entry to the record's turn log: a reply (a model turn), a compaction.
+LOGS_A_TURN = frozenset({(State.GENERATE.value, Trigger.REPLY.value), (State.COMPACT.value, Trigger.COMPACTED.value)})

@@ -22,7 +22,7 @@ import weakref
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.loop.attempts import run_attempts
+from engine.loop.attempts import caller_requeues, run_attempts
 from engine.loop.driver import new_rollout
 from engine.loop.preflight import log_tool_problems
 from engine.loop.runtime import Runtime
@@ -32,6 +32,7 @@ from engine.slime.dashboard import log_rollout  # noqa: F401  (slime loads it by
 from engine.slime.sample_io import (
     ADAPTER_CRASHED,
     BAD_INPUT,
+    FSM,
     SETUP_FAILED,
     BadInput,
     clear_sample,
@@ -39,6 +40,7 @@ from engine.slime.sample_io import (
     read_checkpoint,
     read_input,
     write_sample,
+    write_segments,
     write_unrolled,
 )
 
@@ -71,9 +73,10 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
     try:
         inp = read_input(sample, sampling_params)
     except BadInput as exc:
-        return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt))
+        return _fanned(rt, _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt)))
     except Exception as exc:  # a sample object whose attributes raise
-        return _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params, _placeholder(rt))
+        return _fanned(rt, _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                                     _placeholder(rt)))
     current: list[Rollout] = []
     try:
         saved = read_checkpoint(sample) if rt.cfg.partial_rollout else None
@@ -82,8 +85,8 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
         try:  # a prompt the format cannot render is the sample's problem, not an engine crash
             await rt.prompt_ids(inp.prompt, offered, inp.tool_schemas)
         except Exception as exc:
-            return _unrolled(sample, BAD_INPUT, f"prompt: the {rt.cfg.profile} format cannot render it "
-                             f"({type(exc).__name__}: {exc})", rt.cfg, sampling_params, _placeholder(rt))
+            return _fanned(rt, _unrolled(sample, BAD_INPUT, f"prompt: the {rt.cfg.profile} format cannot render it "
+                                         f"({type(exc).__name__}: {exc})", rt.cfg, sampling_params, _placeholder(rt)))
 
         def make(number: int) -> Rollout:
             # Only the first attempt may resume a checkpoint; a re-run starts from RESET.
@@ -98,17 +101,34 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
         raise
     except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
         log.exception("engine adapter failed on a sample")
-        return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
-                         _placeholder(rt))
+        return _fanned(rt, _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                                     _placeholder(rt)))
+    samples = [sample]
     try:
-        write_sample(sample, outcome.rollout, attempts=outcome.attempts, exhausted=outcome.exhausted)
+        r = outcome.rollout
+        if rt.fans_out() and not outcome.exhausted:  # its segments (or turns), each a sample
+            samples = write_segments(sample, r, rt.profile.decode, requeued=caller_requeues(rt),
+                                     per_turn=rt.cfg.samples == "per_turn")
+            if outcome.attempts:
+                for each in samples:
+                    each.metadata[FSM]["attempts"] = outcome.attempts
+        else:
+            write_sample(sample, r, attempts=outcome.attempts, exhausted=outcome.exhausted)
         unserved = sorted((inp.tool_names or frozenset()) - offered)
         if unserved:
-            sample.metadata["fsm"]["tools_unavailable"] = unserved
+            for each in samples:
+                each.metadata[FSM]["tools_unavailable"] = unserved
     except Exception as exc:
         log.exception("engine adapter failed writing a sample")
-        _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params, _placeholder(rt))
-    return sample
+        samples = [_unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                             _placeholder(rt))]
+    return samples if rt.fans_out() else sample
+
+
+def _fanned(rt: Runtime, sample: Any) -> Any:
+    """One sample in the shape this runtime hands back: a list of one where samples may fan out,
+    so every sample of a batch has the one shape slime's loop flattens."""
+    return [sample] if rt.fans_out() else sample
 
 
 def _placeholder(rt: Runtime | None, args: Any = None) -> tuple[int, str]:
@@ -212,6 +232,11 @@ def _log_setup_failure(exc: Exception) -> None:
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
     """retool's reward, plus the per-turn rewards an environment or a tool recorded.
 
+    A rollout that came back as several samples (slime's fan-out: segments, or one per turn) is
+    scored as a whole from each of them: its last words and all its turn rewards; each sample then
+    gets its `reward_weight` of that (engine_segment_reward), and a turn's own sample where the
+    environment scored turns gets that turn's reward.
+
     The answer's score: the boxed answer of the model's own final text against `sample.label`,
     nudged towards using tools (tool output never counts: a program that prints an answer earns
     the no-answer reward). Per-turn rewards (`metadata["fsm"]["turn_rewards"]`, each with its
@@ -223,14 +248,25 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
     """
     fsm = engine_metadata(sample)
     tool_calls = (fsm.get("tool_stats") or {}).get("calls", 0)
-    text = fsm["final_text"] if isinstance(fsm.get("final_text"), str) else _own_text(sample, fsm)
+    text = next((fsm[k] for k in ("rollout_final_text", "final_text") if isinstance(fsm.get(k), str)), None)
+    text = _own_text(sample, fsm) if text is None else text
     result = retool_score(text, getattr(sample, "label", None), int(tool_calls) if isinstance(tool_calls, int) else 0)
-    rewards = fsm.get("turn_rewards") or []
-    turn_reward = sum(float(t["reward"]) for t in rewards if isinstance(t, dict) and isinstance(t.get("reward"), (int, float)))
+    own = fsm.get("turn_rewards") or []
+    rewards = fsm.get("rollout_turn_rewards") or own
+    turn_reward = _summed(rewards)
     result["answer_score"] = result["score"]
     result["turn_reward"] = turn_reward
     result["score"] = turn_reward if fsm.get("environment") else result["score"] + turn_reward
+    if (fsm.get("segment") or {}).get("per_turn") and own:  # a turn's own sample: the environment scored it
+        result["score"] = _summed(own)
+    weight = fsm.get("reward_weight")
+    if isinstance(weight, (int, float)) and not isinstance(weight, bool):
+        result["score"] *= float(weight)
     return result
+
+
+def _summed(rewards: Any) -> float:
+    return sum(float(t["reward"]) for t in rewards if isinstance(t, dict) and isinstance(t.get("reward"), (int, float)))
 
 
 def _own_text(sample: Any, fsm: dict[str, Any]) -> str:
