@@ -229,8 +229,11 @@ def _log_setup_failure(exc: Exception) -> None:
         log.error("engine setup failed: %s", text)
 
 
-async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
+async def reward_func(args: Any, sample: Any, **kwargs: Any) -> Any:
     """retool's reward, plus the per-turn rewards an environment or a tool recorded.
+
+    Given a list (slime calls a custom reward in batch mode for a fanned-out rollout's samples:
+    `batched_async_rm`), the list of each one's reward.
 
     A rollout that came back as several samples (slime's fan-out: segments, or one per turn) is
     scored as a whole from each of them: its last words and all its turn rewards; each sample then
@@ -246,6 +249,8 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
     - without one: the answer's score plus `turn_reward` (tools' rewards shape it; 0 when none).
     A trainer that wants the rewards per token reads the spans itself.
     """
+    if isinstance(sample, list):
+        return [await reward_func(args, each, **kwargs) for each in sample]
     fsm = engine_metadata(sample)
     tool_calls = (fsm.get("tool_stats") or {}).get("calls", 0)
     text = next((fsm[k] for k in ("rollout_final_text", "final_text") if isinstance(fsm.get(k), str)), None)
