@@ -26,7 +26,7 @@ other message must come back as it was sent):
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Sequence, Set as AbstractSet
 from typing import Any, Literal
 
 import attrs
@@ -116,22 +116,42 @@ def contradiction(history: Sequence[Message], start: int = 0) -> int | None:
     return None
 
 
-def match_history(history: Sequence[Message], transcript: Sequence[Message], model_turns: frozenset[int],
-                  matcher: str) -> Match:
+def match_history(history: Sequence[Message], transcript: Sequence[Message], model_turns: AbstractSet[int],
+                  matcher: str, made: AbstractSet[str] | None = None) -> Match:
     """Match a call's history onto the transcript (`model_turns`: the transcript's indices of the
     model's own turns, compared by `matcher`; every other message by equality). What matched the
-    transcript was taken before; a contradiction in what follows is named first."""
+    transcript was taken before; a contradiction in what follows is named first. `made`: the call
+    ids of the transcript's assistant messages, when the caller keeps them (then an extending
+    history's check reads only what it added)."""
     match = _prefix(history, transcript, model_turns, matcher)
-    wrong = contradiction(history, len(transcript) if match.extends else match.at)
+    if match.extends and made is not None:
+        wrong = _contradiction_after(match.added, made, any_call=bool(made) or any(
+            m.calls for m in transcript if m.role == "assistant"))
+        wrong = None if wrong is None else len(transcript) + wrong
+    else:
+        wrong = contradiction(history, len(transcript) if match.extends else match.at)
     if wrong is not None:
         return Match(False, reason="history_contradicts", at=wrong)
     return match
 
 
-def _prefix(history: Sequence[Message], transcript: Sequence[Message], model_turns: frozenset[int], matcher: str) -> Match:
+def _contradiction_after(added: Sequence[Message], made: AbstractSet[str], any_call: bool) -> int | None:
+    ids = set(made)
+    for i, m in enumerate(added):
+        if m.role == "assistant":
+            ids.update(c.id for c in m.calls)
+            any_call = any_call or bool(m.calls)
+        elif m.role == "tool" and (not any_call or (m.call_id and m.call_id not in ids)):
+            return i
+    return None
+
+
+def _prefix(history: Sequence[Message], transcript: Sequence[Message], model_turns: AbstractSet[int], matcher: str) -> Match:
     n = len(transcript)
     for i in range(min(n, len(history))):
         ours, theirs = transcript[i], history[i]
+        if ours == theirs:  # the usual case, in one comparison: sent back as it was
+            continue
         if i in model_turns:
             verdict = turn_matches(ours, theirs, matcher)
             if verdict == "same":

@@ -84,6 +84,7 @@ class Session:
         self.waiting: Pending | None = None
         self.transcript: list[Message] = []  # the open segment's history as the engine holds it
         self.model_turns: set[int] = set()  # indices of the model's own turns in it
+        self.made: set[str] = set()  # the ids of the calls its assistant messages made
         self.tools: tuple[dict[str, Any], ...] = ()  # the tools the open segment's prompt shows
         self.schemas: dict[str, Any] = {}
         self.turn_input = 0  # the sequence's length when the waiting call's turn began
@@ -157,6 +158,7 @@ class Session:
         self.waiting = pending
         if segment:
             self.transcript, self.model_turns = list(call.messages), set()
+            self.made = {c.id for m in call.messages if m.role == "assistant" for c in m.calls}
             self.tools = call.tools
             self.schemas = argument_schemas(call.tools)
 
@@ -180,6 +182,7 @@ class Session:
         r.record.tools.calls += len(answer.calls)  # handed to the harness, which runs them
         self.transcript.append(Message("assistant", answer.text, reasoning=answer.reasoning, calls=answer.calls))
         self.model_turns.add(len(self.transcript) - 1)
+        self.made.update(c.id for c in answer.calls)
         self._deliver(answer)
         while True:
             item = await self.queue.get()
@@ -216,7 +219,7 @@ class Session:
         if call.tools != self.tools:  # other tools: the prompt that shows them parts at its start
             match = Match(False, reason="history_forked")
         else:
-            match = match_history(call.messages, self.transcript, frozenset(self.model_turns), self.owner.matcher)
+            match = match_history(call.messages, self.transcript, self.model_turns, self.owner.matcher, self.made)
         try:
             if match.extends:
                 added = template_messages(match.added, profile.call_form(), call_names(self.transcript))
@@ -225,6 +228,7 @@ class Session:
                                          made_calls(last.calls) if last is not None else None)
                 event = self._event("extends", call, observation_ids=tuple(ids))
                 self.transcript.extend(match.added)
+                self.made.update(c.id for m in match.added if m.role == "assistant" for c in m.calls)
                 self._take(pending, segment=False)
                 self.turn_input = r.traj.total_length + len(ids)
                 return event
@@ -238,8 +242,8 @@ class Session:
         return self._event("break", call, reason=match.reason, prompt_ids=tuple(ids))
 
     def _last_answer(self) -> Message | None:
-        last = max(self.model_turns, default=None)
-        return self.transcript[last] if last is not None else None
+        """The turn a call's history is matched after: the transcript's last message (`exchange` put it there)."""
+        return self.transcript[-1] if self.transcript and len(self.transcript) - 1 in self.model_turns else None
 
     def _event(self, kind: str, call: ModelCall, **fields: Any) -> HarnessEvent:
         stop = call.sampling.get("stop")

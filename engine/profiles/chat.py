@@ -135,9 +135,7 @@ class ChatProfile:
         held = _Held(self.codec.special_pattern)
         sent = [dict(m, content=held.hold(m["content"])) if isinstance(m.get("content"), str) else dict(m) for m in messages]
         if any(m.get("role") == "tool" for m in sent):
-            self.tool_delta(["x"])  # the stand-in turn is learnt once
-            assert self._glue is not None
-            glue = self._glue
+            glue = self._learnt_glue()
             if calls and self.shows_calls:
                 made = [(c.name or "tool", c.id or f"call{i:05d}", c.arguments if not c.error else {}) for i, c in enumerate(calls)]
                 try:
@@ -176,9 +174,14 @@ class ChatProfile:
     def call_form(self) -> tuple[bool, bool, bool]:
         """How this template wants an assistant turn with calls: (arguments as JSON text, content
         None, calls shown at all); learnt from the template once."""
-        self.tool_delta(["x"])
+        return self._learnt_glue()[2]
+
+    def _learnt_glue(self) -> tuple[dict[str, Any], str, Form]:
+        """The stand-in turn tool results follow (learnt from the template on first use)."""
+        if self._glue is None:
+            self.tool_delta(["x"])
         assert self._glue is not None
-        return self._glue[2]
+        return self._glue
 
     def _turn_end_ids(self) -> frozenset[int]:
         """Ids of the parser's other turn-ending tokens (`turn_ends`) that are special tokens here."""

@@ -60,8 +60,16 @@ async def finish(sessions: AgentSessions, key: str, reason: str = "harness_finis
     return r
 
 
-def opened(sessions: AgentSessions) -> str:
-    return sessions.open(sampling_params=dict(SAMPLING), routing_key=None).key
+def gated(gate: asyncio.Event) -> Callable[[ScriptedModel], Callable[[httpx.Request], Any]]:
+    """A scripted model whose replies wait for `gate` (a turn still being made)."""
+
+    def slow(model: ScriptedModel) -> Callable[[httpx.Request], Any]:
+        async def answer(request: httpx.Request) -> httpx.Response:
+            await gate.wait()
+            return model(request)
+        return answer
+
+    return slow
 
 
 def keyed(sessions: AgentSessions) -> str:
@@ -127,12 +135,7 @@ def sessions_retries(r: Rollout) -> int:
 
 def test_a_retry_while_the_turn_is_still_made_waits_for_that_turn():
     gate = asyncio.Event()
-
-    def slow(model: ScriptedModel) -> Callable[[httpx.Request], Any]:
-        async def answer(request: httpx.Request) -> httpx.Response:
-            await gate.wait()
-            return model(request)
-        return answer
+    slow = gated(gate)
 
     async def body(sessions: AgentSessions, rt: Any, model: ScriptedModel) -> Any:
         key = keyed(sessions)
@@ -293,12 +296,7 @@ def test_a_server_abort_inside_a_turn_is_one_answer_to_the_harness():
 
 def test_the_harness_ending_while_a_turn_is_made_ends_the_sample_with_the_turn_kept():
     gate = asyncio.Event()
-
-    def slow(model: ScriptedModel) -> Callable[[httpx.Request], Any]:
-        async def answer(request: httpx.Request) -> httpx.Response:
-            await gate.wait()
-            return model(request)
-        return answer
+    slow = gated(gate)
 
     async def body(sessions: AgentSessions, rt: Any, model: ScriptedModel) -> Any:
         key = keyed(sessions)

@@ -19,14 +19,18 @@ def client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0)
 
 
-async def add_task(base_url: str, api_key: str, sample: Any, *, compact_after: int | None = None) -> float:
+async def add_task(base_url: str, api_key: str, sample: Any, *, compact_after: int | None = None,
+                   keep_reasoning: bool = True) -> float:
     """The add task: call the model, run `add` for each call, until it answers; reward 1.0."""
     async with client(base_url, api_key) as api:
         messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": sample.prompt}]
         for step in range(10):
             reply = await api.chat.completions.create(model="policy", messages=messages, tools=list(TOOLS))  # type: ignore[arg-type]
             message = reply.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
+            sent_back = message.model_dump(exclude_none=True)
+            if not keep_reasoning:
+                sent_back.pop("reasoning_content", None)
+            messages.append(sent_back)
             if not message.tool_calls:
                 return 1.0
             for call in message.tool_calls:
@@ -162,3 +166,8 @@ async def agents_sdk_task(base_url: str, api_key: str, sample: Any) -> str:
         return str(run.final_output)
     finally:
         await api.close()
+
+
+async def forgetful(base_url: str, api_key: str, sample: Any) -> float:
+    """The add task by a harness that sends its history back without the model's reasoning."""
+    return await add_task(base_url, api_key, sample, keep_reasoning=False)

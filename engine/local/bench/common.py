@@ -40,6 +40,8 @@ class Sizes:
     memory_tokens: int = 32768  # figure 5: response tokens per sample
     scale_samples: tuple[int, ...] = (4096, 10000)  # figure 6: samples in flight at once, one row each
     scale_turns: int = 2  # figure 6: turns per sample (a tool turn, then the answer)
+    agent_sessions: int = 16  # figure 8: agents' sessions through the front door at once
+    agent_turns: int = 52  # figure 8: calls per session (turn 50 is compared with turn 5)
 
     @classmethod
     def default(cls) -> Sizes:
@@ -50,7 +52,7 @@ class Sizes:
         return cls(
             samples=64, turns=4, concurrency=32, repeats=3, fsm_cycles=1000, fsm_setups=5000, add_models=200,
             tool_samples=8, tool_calls=1, tool_sleep=0.3, tool_concurrency=64, sandbox_runs=8,
-            memory_samples=20, scale_samples=(512, 1024), scale_turns=2,
+            memory_samples=20, scale_samples=(512, 1024), scale_turns=2, agent_sessions=4,
         )
 
     @classmethod
