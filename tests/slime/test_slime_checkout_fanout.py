@@ -84,9 +84,9 @@ def test_slime_s_group_loop_takes_the_fan_out_and_its_filter_reads_one_sample_pe
             return done
 
     # the threshold after the first rollout's first exchange: its prompt, the turn, the tool's answer
+    from engine import tools
     from engine.profiles.chat import ChatProfile
     from engine.profiles.tokenizer import load_tokenizer
-    from engine import tools
 
     profile = ChatProfile(load_tokenizer(tokenizer_dir))
     prompt = profile.render_prompt("What is 1 + 2?", [tools.get("code_interpreter").schema()])  # type: ignore[union-attr]
