@@ -28,8 +28,8 @@ import typing
 # (the tool author's package, which the sandbox's own processes import) then loads nothing more
 # of the engine, and `import engine` stays cheap.
 _FACE = {
-    "EngineConfig": "engine.config",
-    "RetryPolicy": "engine.config",
+    "EngineConfig": "engine.settings",
+    "RetryPolicy": "engine.settings",
     "Runtime": "engine.loop.runtime",
     "Profile": "engine.profiles",
     "register_profile": "engine.profiles",
@@ -43,7 +43,7 @@ _FACE = {
 __all__ = sorted(_FACE)
 
 if typing.TYPE_CHECKING:
-    from engine.config import EngineConfig, RetryPolicy  # noqa: F401
+    from engine.settings import EngineConfig, RetryPolicy  # noqa: F401
     from engine.loop.runtime import Runtime  # noqa: F401
     from engine.profiles import Profile, register_profile  # noqa: F401
     from engine.rollouts import roll_out, roll_out_all, sampling_params  # noqa: F401

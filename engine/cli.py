@@ -8,6 +8,7 @@ naming it and what is allowed, exit status 2, before anything starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -16,7 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from engine.arguments import names, number, whole
-from engine.config import BUDGETS, SERVER, TOOLS, Setting, SettingsError, flagged_settings
+from engine.settings.core import BUDGETS, SERVER, TOOLS, flagged_settings, load_plugins
+from engine.settings.declare import Setting, SettingsError, read_key
 
 DISTRIBUTION = "fsm-rollout-engine"
 
@@ -85,7 +87,8 @@ def flag_type(row: Setting) -> Callable[[str], Any]:
             value = row.convert(text)
         except SettingsError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(row.key + " ")) from None
-        if value is None or value == () or not row.fits(value):
+        # An empty list is a value of its own where the default is None: `--tools ""` offers no tool.
+        if value is None or (value == () and row.default is not None) or not row.fits(value):
             raise argparse.ArgumentTypeError(f"must be {row.allowed()}, got {text!r}")
         return value
 
@@ -119,8 +122,8 @@ def add_setting_flag(group: Any, row: Setting) -> None:
 
 
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
-    """The `run` options: its own (input, output, the YAML, the replay), then one per flagged row of
-    `engine.config.SETTINGS`, in its group."""
+    """The `run` options: its own (input, output, the YAML, the replay), then one per setting declared with
+    a flag (the engine's, and those of the plugins imported by now: see `load_run_plugins`), in its group."""
     io = run.add_argument_group("input and output")
     io.add_argument("--input", metavar="FILE", help="JSONL of prompts, one {\"prompt\": ..., \"label\": ...} per line "
                     "(default: the shipped demo set)")
@@ -136,9 +139,10 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                                 "(default: the demo's, in the chosen profile's format)")
     for row in flagged_settings():
         assert row.flag is not None
-        if row.flag.group not in groups:  # a group no flag used before
-            groups[row.flag.group] = run.add_argument_group(row.flag.group)
-        add_setting_flag(groups[row.flag.group], row)
+        group = row.flag.group or BUDGETS
+        if group not in groups:  # a group no flag used before (a plugin's)
+            groups[group] = run.add_argument_group(group)
+        add_setting_flag(groups[group], row)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -209,9 +213,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0, help="seed of the fault sequence")
     soak.add_argument("--json", action="store_true", help="machine-readable output")
 
-    settings = command("settings", _lazy("engine.config:main_settings"), "print every setting as the table of docs/settings.md")
+    settings = command("settings", _lazy("engine.settings.page:main_settings"), "print every setting as the table of docs/settings.md")
     settings.add_argument("--out", metavar="PATH", help="write the whole page here (default: print the tables)")
     settings.add_argument("--check", action="store_true", help="fail if the page at --out is not current")
+    settings.add_argument("--tool-module", metavar="MODULE", action="append", dest="tool_modules",
+                          help="also the settings this module's plugins declare; repeatable (default: the shipped ones)")
 
     attacks = command("attacks", _lazy("engine.sandbox.attacks.suite:main_attacks"), "run the sandbox attack suite and print what was contained")
     attacks.add_argument("--json", action="store_true", help="machine-readable output")
@@ -226,8 +232,35 @@ def configure_logging(ns: argparse.Namespace) -> None:
         logging.getLogger("engine.local.server").setLevel(logging.INFO)
 
 
+def load_run_plugins(argv: Sequence[str]) -> str | None:
+    """Before `run`'s options are parsed, import the modules it names (`--tool-module`, and the YAML's
+    `engine_tool_modules`), so the flags their plugins declare are options too. Returns the error line
+    for a module that cannot be imported (a YAML that cannot be read is left for `run` to report)."""
+    words = [w for w in argv if not w.startswith("-")]
+    if not words or words[0] != "run":
+        return None
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--tool-module", action="append", default=[], dest="tool_modules")
+    early.add_argument("--config")
+    known, _ = early.parse_known_args(argv)
+    try:
+        load_plugins(known.tool_modules)
+    except SettingsError as exc:
+        return str(exc).replace("engine_tool_modules", "--tool-module", 1)
+    if known.config:  # the YAML's: one that cannot be read or imported is `run`'s to report, naming the file
+        from engine.settings.sources import load_yaml_settings
+
+        with contextlib.suppress(SettingsError):
+            load_plugins(read_key("engine_tool_modules", load_yaml_settings(known.config).get("engine_tool_modules")))
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m engine` and the `fsm-rollout` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    problem = load_run_plugins(argv)
+    if problem:
+        return fail(problem)
     ns = build_parser().parse_args(argv)
     configure_logging(ns)
     try:

@@ -17,13 +17,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from engine.loop.runtime import Runtime
+from engine.settings import Sampling
 
 # What slime's own generate asks of SGLang besides temperature, top-p and the length cap.
 FIXED_PARAMS = {"no_stop_trim": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
+_DEFAULT = Sampling()  # slime's sampling arguments as their declarations default them
 
 
-def sampling_params(temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 512) -> dict[str, Any]:
-    """The sampling parameters slime's rollout would hand a generate function."""
+def sampling_params(temperature: float = _DEFAULT.rollout_temperature, top_p: float = _DEFAULT.rollout_top_p,
+                    max_new_tokens: int = _DEFAULT.rollout_max_response_len) -> dict[str, Any]:
+    """The sampling parameters slime's rollout would hand a generate function (defaults: slime's, as declared)."""
     return {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, **FIXED_PARAMS}
 
 

@@ -1,16 +1,17 @@
 """The main job: roll out a JSONL of prompts, write the samples, print a summary.
 
 Everything the user gave is checked before anything starts (`plan_run`): the paths, the
-settings (through the same table a slime job reads, `engine.config.SETTINGS`, from
-`--config` YAML and the flags, the flags winning), the tokenizer, the tool modules, and
+settings (read as a slime job reads them, through their declarations in `engine.settings`, from
+`--config` YAML and the flags, the flags winning; the plugins' too), the tokenizer, the tool modules, and
 then whether every offered tool can work at all (`engine.loop.preflight`). A bad argument
 is one `error:` line and exit status 2; a tool that cannot work stops the job with exit 1.
 
 With no `--server`, the embedded SGLang-compatible server is started on a free loopback
 port with the shipped demo replay (in the chosen profile's format), and stopped at the end.
 Samples are written as they finish to `OUTPUT.partial`, then put in input order under
-OUTPUT at the end or on Ctrl-C, so OUTPUT is never half-written and what finished is kept.
-The exit status is 1 when every sample, or every tool call, failed.
+OUTPUT at the end, on Ctrl-C or on SIGTERM (Slurm, Kubernetes, `timeout` stop a job so), so
+OUTPUT is never half-written and what finished is kept; the exit status is then 130 or 143.
+Otherwise it is 1 when every sample, or every tool call, failed.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shlex
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,21 +35,29 @@ from typing import Any
 import attrs
 import httpx
 
-from engine.config import (SETTINGS, EngineConfig, SettingsError, flagged_settings, load_yaml_settings, unknown_key_message,
-                           unknown_keys, warn_once)
+from engine.logs import warn_once
+from engine.settings import sources
+from engine.settings.core import EngineConfig, Sampling, flagged_settings, load_plugins, run_rows
+from engine.settings.declare import SettingsError, declared_keys, read_key
 from engine.local.demos import demo_file, demo_replay
 from engine.local.sample import Sample
+from engine.sglang.client import request_once
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+log = logging.getLogger("engine.settings")
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 128 + signal.SIGTERM
 
-# All three made from the one declaration, engine.config.SETTINGS:
-# each flag of `run` (its parsed name) and the key of slime's args (and of the YAML) it sets;
-FLAG_KEYS = {s.flag.destination: s.key for s in flagged_settings() if s.flag is not None}
-FLAG_NAMES = {s.key: s.flag.name for s in flagged_settings() if s.flag is not None}
-# a local run's own defaults where they differ from a training job's (fewer connections and retries);
-RUN_DEFAULTS = {s.key: s.run_default for s in SETTINGS.values() if s.run_default is not None}
-# slime's sampling arguments a run reads (slime itself checks them in a training job).
-SAMPLING_SETTINGS = {k: s for k, s in SETTINGS.items() if s.reader == "run"}
+
+# All made from the declarations (the plugins' imported by now included):
+
+
+def flag_keys() -> dict[str, str]:
+    """Each flag of `run` (its parsed name) and the key of slime's args (and of the YAML) it sets."""
+    return {s.flag.destination: s.key for s in flagged_settings() if s.flag is not None and s.key}
+
+
+def run_defaults() -> dict[str, Any]:
+    """A local run's own defaults where they differ from a training job's (fewer connections and retries)."""
+    return {s.key: s.run_default for s in run_rows() if s.run_default is not None}
 
 
 class UsageError(Exception):
@@ -54,6 +66,28 @@ class UsageError(Exception):
 
 class CannotRun(Exception):
     """The job cannot work as set up (a dead tool, a server that did not start): exit status 1."""
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: the run stops as on Ctrl-C, keeping what finished (exit status 143)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` where the run is (outside the event loop;
+    inside it, `roll_out` cancels its work first). Only the main thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 # -- reading the input ------------------------------------------------------------------------
@@ -109,23 +143,31 @@ class Plan:
     replay: str | None
     tokenizer: Any
     progress: bool
+    tools: tuple[str, ...] = ()  # the tools offered
 
 
 def settings_args(ns: argparse.Namespace) -> argparse.Namespace:
-    """slime's `args` as this run's settings make them: the run's defaults, the YAML, then the flags."""
-    args = argparse.Namespace(**RUN_DEFAULTS)
+    """slime's `args` as this run's settings make them: the run's defaults, the YAML, then the flags.
+
+    The modules the YAML and the flags name are imported first (raises SettingsError for one that
+    cannot be): the settings their plugins declare are known before any key of the YAML is judged.
+    """
+    data: dict[str, Any] = {}
     if getattr(ns, "config", None):
         try:
-            data = load_yaml_settings(ns.config)
+            data = sources.load_yaml_settings(ns.config)
         except SettingsError as exc:
             raise UsageError(f"--config: {exc}") from None
-        unknown = unknown_keys(data)  # every key of this YAML is the engine's: nothing else reads it
-        for key, closest in unknown.items():
-            warn_once(unknown_key_message(key, closest))
-        for key, value in data.items():  # as slime does with --custom-config-path
-            if key not in unknown:
-                setattr(args, key, value)
-    for dest, key in FLAG_KEYS.items():
+    load_plugins(read_key("engine_tool_modules", data.get("engine_tool_modules")))
+    load_plugins(getattr(ns, "tool_modules", None) or ())
+    args = argparse.Namespace(**run_defaults())
+    unknown = sources.unknown_keys(data)  # every key of this YAML is the engine's: nothing else reads it
+    for key, closest in unknown.items():
+        warn_once(sources.unknown_key_message(key, closest), log)
+    for key, value in data.items():  # as slime does with --custom-config-path
+        if key not in unknown:
+            setattr(args, key, value)
+    for dest, key in flag_keys().items():
         value = getattr(ns, dest, None)
         if value is not None:
             setattr(args, key, value)
@@ -134,9 +176,9 @@ def settings_args(ns: argparse.Namespace) -> argparse.Namespace:
 
 def _origin(ns: argparse.Namespace, key: str) -> str:
     """Where a setting came from, for an error message: its flag, or the YAML key."""
-    for dest, k in FLAG_KEYS.items():
-        if k == key and getattr(ns, dest, None) is not None:
-            return FLAG_NAMES[key]
+    for s in flagged_settings():
+        if s.key == key and s.flag is not None and getattr(ns, s.flag.destination, None) is not None:
+            return s.flag.name
     return f"{key} in {ns.config}" if getattr(ns, "config", None) else key
 
 
@@ -196,31 +238,26 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
         where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
         raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     try:
-        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser)
+        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser)
     except Exception as exc:
         if cfg.tool_parser is not None and str(exc).startswith("unknown tool parser"):
             raise UsageError(f"{_origin(ns, 'engine_tool_parser')}: {exc}") from None
+        if cfg.reasoning_parser is not None and ("reasoning parser" in str(exc) or "engine_reasoning_parser" in str(exc)):
+            raise UsageError(f"{_origin(ns, 'engine_reasoning_parser')}: {exc}") from None
         raise UsageError(f"{_origin(ns, 'engine_profile')} {cfg.profile}: {exc}") from None
     return tokenizer
 
 
 def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
     """Import the tool modules, check the tool names; returns the tools offered."""
-    import importlib
-
     from engine import tools
 
-    for module in cfg.tool_modules:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            raise UsageError(f"{_origin(ns, 'engine_tool_modules')} {module}: cannot import it "
-                             f"({type(exc).__name__}: {exc})") from None
-    if cfg.mcp_servers:
-        from engine.tools import mcp_servers
+    from engine.tools import mcp_servers
 
+    mcp = cfg.plugin(mcp_servers.McpSettings)
+    if mcp.servers:  # the tool modules are imported by now (`settings_args`)
         try:
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         except ValueError as exc:
             raise UsageError(f"{_origin(ns, 'engine_mcp_servers')}: {exc}") from None
     check_environment(ns, cfg)
@@ -234,18 +271,39 @@ def check_tools(ns: argparse.Namespace, cfg: EngineConfig) -> list[str]:
 
 def check_environment(ns: argparse.Namespace, cfg: EngineConfig) -> None:
     """The environment must be registered (after the tool modules are imported) and set up."""
-    if cfg.environment is None:
-        return
+    if cfg.environment is not None:
+        _check_named_environment(cfg, cfg.environment, _origin(ns, "engine_environment"))
+
+
+def check_sample_environments(cfg: EngineConfig, samples: list[Sample]) -> None:
+    """Every environment the input's lines name (`metadata["environment"]`) is registered and sets up."""
+    from engine import envs
+    from engine.loop.environment import UnknownEnvironment, read_choice
+
+    named: dict[str, int] = {}
+    for sample in samples:
+        try:
+            name = read_choice(sample.metadata).name
+        except UnknownEnvironment:
+            continue  # that sample ends bad_sample_input, with the reason: not the run's to refuse
+        if name is not None and name != envs.NONE and name not in named:
+            named[name] = sample.index if sample.index is not None else 0
+    for name, index in named.items():
+        _check_named_environment(cfg, name, f"--input (the sample at position {index})")
+
+
+def _check_named_environment(cfg: EngineConfig, name: str, origin: str) -> None:
+    """UsageError, saying where the name came from, unless the environment `name` is registered and sets up."""
     from engine import envs
 
-    env = envs.get_environment(cfg.environment)
+    env = envs.get_environment(name)
     if env is None:
-        raise UsageError(f"{_origin(ns, 'engine_environment')}: no environment named {cfg.environment!r} "
+        raise UsageError(f"{origin}: no environment named {name!r} "
                          f"(registered: {', '.join(envs.environment_names()) or 'none'}; add one with --tool-module)")
     try:
-        env.setup(cfg)
+        cfg.set_up(env)
     except Exception as exc:
-        raise UsageError(f"{_origin(ns, 'engine_environment')} {cfg.environment}: {exc}") from None
+        raise UsageError(f"{origin} {name}: {exc}") from None
 
 
 def check_budgets(ns: argparse.Namespace, cfg: EngineConfig, max_new_tokens: int) -> None:
@@ -277,14 +335,16 @@ def plan_run(ns: argparse.Namespace) -> Plan:
     """Check every argument, cheapest first; raises UsageError (or CannotRun for a dead tool)."""
     in_path = ns.input or demo_file("prompts.jsonl")
     check_output(ns.output, in_path)
-    args = settings_args(ns)
     try:
+        args = settings_args(ns)
         cfg = EngineConfig.from_args(args)
-        sampling = {k: s.read(getattr(args, k, None)) for k, s in SAMPLING_SETTINGS.items()}
-    except SettingsError as exc:
-        key = str(exc).split(" ", 1)[0]
-        raise UsageError(f"{_origin(ns, key)}: {str(exc).split(' ', 1)[1]}" if key in _all_keys() else str(exc)) from None
-    check_budgets(ns, cfg, sampling["rollout_max_response_len"])
+        sampling = sources.read(Sampling, args)
+    except SettingsError as exc:  # the sentence names the key: say where the user set it instead
+        key, _, rest = str(exc).partition(" ")
+        if key not in declared_keys():
+            raise UsageError(str(exc)) from None
+        raise UsageError(f"{_origin(ns, key)}{':' if rest.startswith('must ') else ''} {rest}") from None
+    check_budgets(ns, cfg, sampling.rollout_max_response_len)
     server = ns.server or getattr(args, "engine_server_url", None)
     if server and ns.replay:
         raise UsageError("--replay: only the embedded server replays a script; drop --replay or --server")
@@ -297,8 +357,9 @@ def plan_run(ns: argparse.Namespace) -> Plan:
             load_replay(replay)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--replay {replay}: {getattr(exc, 'strerror', None) or exc}") from None
-    samples = expand_groups(read_input(in_path, ns.limit), sampling["n_samples_per_prompt"])
+    samples = expand_groups(read_input(in_path, ns.limit), sampling.n_samples_per_prompt)
     offered = check_tools(ns, cfg)  # first: a tool module may register the profile or parser named
+    check_sample_environments(cfg, samples)
     tokenizer = check_tokenizer(ns, cfg)
     if cfg.agent is not None:
         check_agent(ns, cfg)
@@ -308,15 +369,33 @@ def plan_run(ns: argparse.Namespace) -> Plan:
         problems = check_tools_sync(offered)
         if problems:
             raise CannotRun(f"{describe(problems)}; nothing was rolled out")
-    params = {"temperature": sampling["rollout_temperature"], "top_p": sampling["rollout_top_p"],
-              "max_new_tokens": sampling["rollout_max_response_len"], "no_stop_trim": True,
+    params = {"temperature": sampling.rollout_temperature, "top_p": sampling.rollout_top_p,
+              "max_new_tokens": sampling.rollout_max_response_len, "no_stop_trim": True,
               "skip_special_tokens": False, "spaces_between_special_tokens": False}
     progress = not ns.no_progress and sys.stderr.isatty()
-    return Plan(cfg, samples, params, ns.output, server, replay, tokenizer, progress)
+    return Plan(cfg, samples, params, ns.output, server, replay, tokenizer, progress,
+                tuple(offered) if cfg.agent is None else ())  # an agent runs its own tools
 
 
-def _all_keys() -> set[str]:
-    return set(SETTINGS)
+SANDBOXED_TOOLS = ("code_interpreter", "python_session")  # the built-in tools that run model code in the sandbox
+
+
+def sandbox_line(plan: Plan) -> str | None:
+    """Which sandbox mode the run's model code gets, in one line (None when no offered tool runs code).
+
+    The preflight has probed the sandbox already (cached): this reads its answer, runs nothing.
+    """
+    if not set(SANDBOXED_TOOLS) & set(plan.tools):
+        return None
+    if plan.cfg.sandbox_backend != "local":
+        return f"sandbox: model code runs on the {plan.cfg.sandbox_backend} backend's workers (engine_sandbox_backend)"
+    from engine.sandbox import probe_sync
+
+    isolation = probe_sync().isolation
+    layers = [name for name, on in (("Landlock", isolation.get("landlock")), ("seccomp", isolation.get("seccomp"))) if on]
+    held = "; not held here: " + "; ".join(isolation["cannot_hold"]) if isolation.get("cannot_hold") else ""
+    return (f"sandbox: {isolation.get('mode', 'mode unknown')}, with {' and '.join(layers) or 'no Landlock or seccomp'}"
+            f"{held} (docs/sandbox-modes.md)")
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -326,7 +405,7 @@ def server_context_length(url: str) -> int | None:
     """The server's context length from `/server_info` (or its old alias); None if not told."""
     for route in ("/server_info", "/get_server_info"):
         try:
-            info = httpx.get(url.rstrip("/") + route, timeout=10, trust_env=False).json()
+            info = request_once("GET", url.rstrip("/") + route, timeout=10).json()
         except (httpx.HTTPError, ValueError):
             continue
         if isinstance(info, dict) and isinstance(info.get("context_length"), int):
@@ -337,7 +416,7 @@ def server_context_length(url: str) -> int | None:
 def check_reachable(url: str) -> str | None:
     """None when the server answers `/health`, else a sentence saying what went wrong."""
     try:
-        httpx.get(url.rstrip("/") + "/health", timeout=10, trust_env=False)
+        request_once("GET", url.rstrip("/") + "/health", timeout=10)
     except httpx.HTTPError as exc:
         return f"cannot reach the server at {url}: {type(exc).__name__}: {exc}"
     return None
@@ -405,8 +484,12 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
             if sample.status is not Sample.Status.PENDING:
                 emit(sample)  # a bad input line: recorded, not rolled out
         tasks = [asyncio.create_task(one(s)) for s in plan.samples if s.status is Sample.Status.PENDING]
+        terminated, before = _cancel_on_sigterm()
         try:
             await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            if not terminated:
+                raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -418,7 +501,35 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
             await rt.aclose()
             if bar is not None:
                 bar.close()
+            _restore_sigterm(before)
+        if terminated:
+            raise Terminated()
     return int(rt.client.retries_spent)
+
+
+def _cancel_on_sigterm() -> tuple[list[int], Any]:
+    """On SIGTERM, cancel the running rollout (its samples end as on Ctrl-C): the list says it came;
+    with the handler it replaced, for `_restore_sigterm`."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        return came, None
+    task = asyncio.current_task()
+    assert task is not None
+
+    def stop() -> None:
+        came.append(signal.SIGTERM)
+        task.cancel()
+
+    before = signal.getsignal(signal.SIGTERM)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
+    return came, before
+
+
+def _restore_sigterm(before: Any) -> None:
+    """Put back the handler the loop's replaced (removing the loop's own leaves SIGTERM at its default)."""
+    if threading.current_thread() is threading.main_thread():
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 
 
 def finish_output(partial: str, output: str) -> list[dict[str, Any]]:
@@ -444,8 +555,17 @@ def main_run(ns: argparse.Namespace) -> int:
     except CannotRun as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    line = sandbox_line(plan)
+    if line:
+        print(line, file=sys.stderr)
+    with sigterm_as_interrupt():
+        return _run_planned(plan)
+
+
+def _run_planned(plan: Plan) -> int:
     partial = plan.output + ".partial"
-    interrupted, retries = False, None
+    interrupted: int | None = None  # the exit status of an interrupted run
+    retries = None
     started = time.perf_counter()
     try:
         with embedded_server(plan) as url:
@@ -461,13 +581,19 @@ def main_run(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:  # Ctrl-C: keep what finished, under the final name
-        interrupted = True
+        interrupted = EXIT_INTERRUPTED
+    except Terminated:  # SIGTERM: the same
+        interrupted = EXIT_TERMINATED
     wall = time.perf_counter() - started
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # writing OUTPUT takes moments: a second SIGTERM waits
+    if interrupted == EXIT_TERMINATED:
+        print("terminated (SIGTERM): keeping the samples that finished", file=sys.stderr)
     if os.path.exists(partial) and os.path.getsize(partial) == 0:
-        os.remove(partial)  # opened, but nothing finished before Ctrl-C
+        os.remove(partial)  # opened, but nothing finished before the interruption
     if not os.path.exists(partial):
         print("interrupted before any sample finished: nothing written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted or EXIT_INTERRUPTED
     done = finish_output(partial, plan.output)
     return report(done, plan, wall, retries, interrupted)
 
@@ -496,17 +622,18 @@ def main_agent(ns: argparse.Namespace) -> int:
     return main_run(ns)
 
 
-def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | None, interrupted: bool) -> int:
-    """Print the summary; the exit status says whether the batch as a whole failed."""
+def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | None, interrupted: int | None) -> int:
+    """Print the summary; the exit status says whether the batch as a whole failed (or how it was stopped)."""
     from engine.profiles.tokenizer import Codec
     from engine.trace.summary import batch_failure, format_summary, summarize
 
     summary = summarize(done, wall_seconds=wall, decode=Codec(plan.tokenizer).decode, retries=retries)
     print(format_summary(summary))
-    note = " (interrupted: the rest were not run)" if interrupted else ""
+    how = {EXIT_INTERRUPTED: "interrupted", EXIT_TERMINATED: "terminated by SIGTERM"}.get(interrupted or 0)
+    note = f" ({how}: the rest were not run)" if how else ""
     print(f"\nwrote {len(done)} sample(s) to {plan.output}{note}")
-    if interrupted:
-        return EXIT_INTERRUPTED
+    if interrupted is not None:
+        return interrupted
     failure = batch_failure(summary)
     if failure:
         print(f"error: {failure}", file=sys.stderr)
@@ -514,5 +641,5 @@ def report(done: list[dict[str, Any]], plan: Plan, wall: float, retries: int | N
     return 0
 
 
-__all__ = ["CannotRun", "Plan", "UsageError", "expand_groups", "main_agent", "main_run", "plan_run",
-           "read_prompts", "settings_args"]
+__all__ = ["CannotRun", "Plan", "UsageError", "expand_groups", "flag_keys", "main_agent", "main_run", "plan_run",
+           "read_prompts", "run_defaults", "settings_args"]

@@ -35,10 +35,11 @@ def test_a_slime_job_imports_no_torch_aiohttp_pygraphviz_nor_the_local_or_trace_
 
 
 def test_the_tool_authors_package_loads_nothing_else_of_the_engine() -> None:
-    """A tool author imports `engine.tools` (and through it the sandbox): not the loop, the wire or httpx."""
+    """A tool author imports `engine.tools` (and through it the sandbox, and the settings' declarations a
+    plugin declares its own with): not the loop, the wire or httpx."""
     code = ("import json, sys; import engine.tools; "
             "print(json.dumps(sorted(m for m in sys.modules if m == 'httpx' or (m.startswith('engine.') "
-            "and not m.startswith(('engine.tools', 'engine.sandbox'))))))")
+            "and not m.startswith(('engine.tools', 'engine.sandbox', 'engine.settings', 'engine.logs'))))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
@@ -134,11 +135,15 @@ def test_the_machine_imports_neither_the_loop_nor_the_adapter_nor_the_looking_ba
 def test_tools_knows_nothing_of_the_engine() -> None:
     """`engine.tools` (the tool author's API) lives inside the engine's name only so that no `tools/`
     folder of a user's (slime's checkout has one) can shadow it; it imports nothing else of the engine
-    but the sandbox its built-ins run code in, and the sandbox imports nothing else of the engine at all."""
+    but the sandbox its built-ins run code in and the settings a plugin declares its own with (which
+    import only the sandbox), and the sandbox imports nothing else of the engine at all."""
     graph = import_graph()
     tool_modules = [m for m in graph if m == "engine.tools" or m.startswith("engine.tools.")]
     assert "engine.tools.registry" in tool_modules
-    assert not {d for m in tool_modules for d in graph[m] if not d.startswith(("engine.tools", "engine.sandbox"))}
+    allowed = ("engine.tools", "engine.sandbox", "engine.settings", "engine.logs")
+    assert not {d for m in tool_modules for d in graph[m] if not d.startswith(allowed)}
+    settings = [m for m in graph if m.startswith(("engine.settings", "engine.logs"))]
+    assert not {d for m in settings for d in graph[m] if not d.startswith(("engine.settings", "engine.sandbox", "engine.logs"))}
     sandbox = [m for m in graph if m == "engine.sandbox" or m.startswith("engine.sandbox.")]
     assert "engine.sandbox.runner" in sandbox
     assert not {d for m in sandbox for d in graph[m] if not d.startswith("engine.sandbox")}
@@ -183,3 +188,17 @@ def test_a_name_that_cannot_form_a_state_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="tool name must be lowercase letters"):
         tools.register(tool)
     assert name not in tools.names()
+
+
+# A dependency's private name is read in one compat module, which says which versions it was checked with.
+PRIVATE_NAMES = {
+    "ray._private": "engine/local/ray_compat.py",
+    "_instances": "engine/slime/compat.py",  # slime's singleton registry
+}
+
+
+@pytest.mark.parametrize("name, home", sorted(PRIVATE_NAMES.items()))
+def test_a_private_name_of_a_dependency_lives_in_its_compat_module_alone(name: str, home: str) -> None:
+    found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("*.py")
+                   if name in p.read_text(encoding="utf-8"))
+    assert found == [home]

@@ -50,8 +50,31 @@ def run_script(where: Path, path_entries: list[str], *args: str) -> subprocess.C
 
 
 def _as_tested() -> list[str]:
-    """The project as the tests import it (PYTHONPATH when the checkout is not installed)."""
+    """The project as the tests import it (PYTHONPATH when the checkout is not installed), and
+    whatever else the caller's PYTHONPATH holds (slime's checkout, as slime users run)."""
     return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _engine_through(entries: list[str]) -> bool:
+    """Whether a regular `engine` package is reached through these PYTHONPATH entries (not an install's finder)."""
+    return any((Path(p) / "engine" / "__init__.py").is_file() for p in entries)
+
+
+def slime_checkout(root: Path) -> Path:
+    """THUDM/slime's top level as its checkout has it: packages `slime`, `slime_plugins`, `examples`;
+    folders without `__init__` `tools/` (its scripts; here one probe) and `tests/`; `train.py`."""
+    for package in ("slime", "slime_plugins", "examples"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    for folder in ("tools", "tests"):
+        (root / folder).mkdir()
+    (root / "tools" / "shadow_probe.py").write_text("OWNER = 'slime'\n")
+    (root / "tests" / "test_cispo_loss.py").write_text("")
+    (root / "train.py").write_text("")
+    return root
+
+
+WITH_SLIME = ["alone", "slime-on-pythonpath"]
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +123,15 @@ def _users_engine(root: Path, *, init: bool) -> Path:
     return root
 
 
+@pytest.mark.parametrize("with_slime", WITH_SLIME)
 @pytest.mark.parametrize("init", [True, False], ids=["package", "folder"])
-def test_a_users_own_engine_package_stops_the_import_with_one_line_naming_it(tmp_path: Path, init: bool) -> None:
+def test_a_users_own_engine_package_stops_the_import_with_one_line_naming_it(tmp_path: Path, init: bool,
+                                                                             with_slime: str) -> None:
     root = _users_engine(tmp_path / "work", init=init)
-    done = run_script(root, _as_tested(), "-c", "import fsm_rollout_engine; print(fsm_rollout_engine.generate.__module__)")
-    if not init and _as_tested():
+    entries = [str(slime_checkout(tmp_path / "slime"))] if with_slime != "alone" else []
+    entries += _as_tested()
+    done = run_script(root, entries, "-c", "import fsm_rollout_engine; print(fsm_rollout_engine.generate.__module__)")
+    if not init and _engine_through(entries):
         # A folder without `__init__` is only a namespace portion: a regular package found later on
         # sys.path (here through PYTHONPATH) wins. Through an editable install's finder it does not.
         assert done.returncode == 0 and done.stdout.strip() == "engine.slime", done.stderr
@@ -123,3 +150,19 @@ def test_the_console_script_entry_point_says_so_too(tmp_path: Path) -> None:
     assert done.returncode == 1 and "the name 'engine' is taken by" in done.stderr.strip().splitlines()[-1]
     fine = run_script(tmp_path, _as_tested(), "-c", code)
     assert fine.returncode == 0 and fine.stdout.startswith("fsm-rollout "), fine.stderr
+
+
+@pytest.mark.parametrize("slime_first", [True, False], ids=["slime-first", "project-first"])
+def test_with_slimes_checkout_on_pythonpath_the_projects_tools_folder_shadows_nothing(tmp_path: Path,
+                                                                                      slime_first: bool) -> None:
+    """Run from this checkout (its `tools/` and `tests/` on sys.path) with slime's on PYTHONPATH, as a
+    maintainer does: `engine` is this project's, slime's scripts under `tools.` are still slime's."""
+    slime = str(slime_checkout(tmp_path / "slime"))
+    entries = [slime, *_as_tested()] if slime_first else [*_as_tested(), slime]
+    code = ("import importlib.util as u, engine.slime, tools.shadow_probe as c; "
+            "print(engine.__file__); print(c.OWNER, u.find_spec('tools.shadow_probe').origin)")
+    done = run_script(ROOT, entries, "-c", code)
+    assert done.returncode == 0, done.stderr
+    where, owner = done.stdout.strip().splitlines()[-2:]
+    assert Path(where).resolve().parent == ROOT / "engine"
+    assert owner == f"slime {Path(slime) / 'tools' / 'shadow_probe.py'}"

@@ -26,7 +26,8 @@ other message must come back as it was sent):
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence, Set as AbstractSet
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Literal
 
 import attrs

@@ -61,7 +61,7 @@ async def served(rt: Runtime, serve: DoorFactory | None = None) -> Served:
         found = _served.get(rt)
         if found is None:
             check_profile(rt)
-            sessions = AgentSessions(rt, matcher=rt.cfg.agent_matcher, models=rt.cfg.agent_models)
+            sessions = AgentSessions(rt)
             door = (serve or default_door())(sessions, host="127.0.0.1", port=0)
             if inspect.isawaitable(door):
                 door = await door

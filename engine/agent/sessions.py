@@ -282,12 +282,14 @@ class Session:
 class AgentSessions:
     """Every session of one runtime: what the front door's app serves (`engine.agent.calls.Sessions`)."""
 
-    def __init__(self, rt: Runtime, *, matcher: str = "json_calls", models: tuple[str, ...] = ("policy",)) -> None:
+    def __init__(self, rt: Runtime, *, matcher: str | None = None, models: tuple[str, ...] | None = None) -> None:
+        """`matcher` and `models`: the settings' (`engine_agent_matcher`, `engine_agent_models`) unless given."""
+        matcher = rt.cfg.agent_matcher if matcher is None else matcher
         if matcher not in MATCHERS:
             raise ValueError(f"engine_agent_matcher must be one of {', '.join(MATCHERS)}, got {matcher!r}")
         self.rt = rt
         self.matcher = matcher
-        self.names = tuple(models) or ("policy",)
+        self.names = rt.cfg.agent_models if models is None else tuple(models)
         self.sessions: dict[str, Session] = {}
 
     def open(self, *, sampling_params: dict[str, Any], routing_key: str | None = None,
@@ -331,4 +333,4 @@ class AgentSessions:
 
     def models(self) -> list[str]:
         """The model names served (`/v1/models`): the policy's, under the configured names."""
-        return [n for n in self.names if n != ANY_MODEL] or ["policy"]
+        return [n for n in self.names if n != ANY_MODEL]

@@ -3,14 +3,13 @@
 Both directions of the profile's format for an agent's session: `template_messages` turns the
 protocol-neutral history into the dicts `apply_chat_template` renders (a segment's prompt, the
 messages a harness adds after a turn); `read_turn` reads a turn's text, as the server sent its
-tokens, into a `ModelAnswer`'s parts with the configured tool parser. The reasoning is split by
-`split_reasoning`, the one place a reasoning parser plugs in.
+tokens, into a `ModelAnswer`'s parts with the profile's reasoning and tool parsers
+(`engine_reasoning_parser`, `engine_tool_parser`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import attrs
 
 from engine.agent.calls import CallMade, Message, ModelCall
-from engine.profiles import parsers
 from engine.profiles.base import ToolCall
 
 
@@ -96,20 +94,6 @@ def argument_schemas(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return found
 
 
-def split_reasoning(profile: Any, text: str) -> tuple[str | None, str]:
-    """(the turn's reasoning without its tags, or None; the rest of the turn). The one place a
-    reasoning parser plugs in: today `<think>...</think>` is split where the tool parser reads
-    reasoning that way, as the chat profile splits it."""
-    if not getattr(profile.parser, "reasoning", False):
-        return None, text
-    reasoning, rest = parsers.split_reasoning(text)
-    if not reasoning:
-        return None, rest
-    inner = reasoning.removeprefix("<think>") if reasoning.startswith("<think>") else reasoning
-    inner = inner.removesuffix("</think>")
-    return inner.strip(), rest
-
-
 @attrs.frozen
 class TurnRead:
     """A model turn read for the harness: its reasoning, text and well-formed calls.
@@ -125,30 +109,16 @@ class TurnRead:
 
 
 def read_turn(profile: Any, text: str, schemas: dict[str, Any]) -> TurnRead:
-    """Read a turn's text as the configured parser reads it; a call's id is the one the format
-    wrote (Mistral, Kimi K2), else a new one."""
-    reasoning, acting = split_reasoning(profile, text)
-    acting = strip_turn_end(profile, acting)
-    parsed = profile.parser.parse(acting, schemas)
-    if any(c.error for c in parsed.calls):
-        return TurnRead(reasoning, acting.strip(), (), malformed=True)
+    """Read a turn's text as SGLang serves it (`ChatProfile.read_turn`: the reasoning parser splits
+    off the reasoning, the tool parser reads the calls, typed by the call's own tool schemas); a
+    call's id is the one the format wrote (Mistral, Kimi K2), else a new one."""
+    reading = profile.read_turn(text, schemas=schemas)
+    reasoning = reading.reasoning.strip() or None
+    if any(c.error for c in reading.calls):  # the turn as the model wrote it, outside its reasoning
+        return TurnRead(reasoning, profile.strip_turn_end(profile.split_reasoning(text)[1]).strip(), (), malformed=True)
     calls = tuple(CallMade(c.id or uuid.uuid4().hex[:24], c.name, json.dumps(c.arguments, ensure_ascii=False))
-                  for c in parsed.calls)
-    return TurnRead(reasoning, strip_turn_end(profile, parsed.content).strip(), calls)
-
-
-def strip_turn_end(profile: Any, text: str) -> str:
-    """`text` without the special tokens that end it (the turn's closing token, an EOS)."""
-    specials = profile.codec.special_pattern
-    if specials is None:
-        return text
-    tail = _TAILS.get(specials.pattern)
-    if tail is None:
-        tail = _TAILS[specials.pattern] = re.compile(f"(?:\\s*(?:{specials.pattern}))+\\s*$")
-    return tail.sub("", text)
-
-
-_TAILS: dict[str, re.Pattern[str]] = {}  # one compiled tail per tokenizer's specials
+                  for c in reading.calls)
+    return TurnRead(reasoning, reading.content.strip(), calls)
 
 
 def made_calls(calls: Sequence[CallMade]) -> list[ToolCall]:

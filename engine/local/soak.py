@@ -35,12 +35,13 @@ import httpx
 
 from engine import tools
 from engine.sglang.client import ROUTING_HEADER, make_http_client
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.local.invariants import sample_violations, status_name
 from engine.profiles.retool import render_retool_prompt
 from engine.local.demos import demo_file
 from engine.loop.runtime import Runtime
 from engine.local.sample import Sample
+from engine.rollouts import sampling_params
 from engine.slime.sample_io import engine_metadata
 from engine.slime import run_sample
 from engine.sandbox.runner import LOCK_DIR, UID_BASE, UID_COUNT
@@ -48,8 +49,7 @@ from engine.sandbox.runner import LOCK_DIR, UID_BASE, UID_COUNT
 MAX_TURNS = 8
 REQUEST_TIMEOUT = 2.0  # seconds; an injected stall (3 s by default) must outlast it
 IN_FLIGHT = 16  # requests at once: the CPU server's replies then come well within REQUEST_TIMEOUT
-PARAMS = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, "no_stop_trim": True,
-          "skip_special_tokens": False, "spaces_between_special_tokens": False}
+PARAMS = sampling_params()  # slime's defaults
 SHOWN = 10  # problems printed in full; the rest are counted
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from engine import envs, tools
 from engine.aio import within
-from engine.config import log_once
+from engine.logs import log_once
+from engine.loop import environment as episodes
 from engine.loop.harness import Harness
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint
@@ -58,19 +59,37 @@ FAILURE_TRIGGERS = {
 }
 
 
+DEFAULT_ENVIRONMENT: Any = object()  # new_rollout's default: the runtime's own (engine_environment)
+
+
 class NoEdge(RuntimeError):
     """No guard of a trigger held: the table is incomplete. A bug, recorded as a crash."""
 
 
 @step("reset")
 async def step_reset(rt: Runtime, r: Rollout) -> str:
-    """Render the prompt; with a partial-rollout checkpoint, validate it against the prompt."""
+    """Start the environment's episode (it may shape the prompt), render the prompt (an agent's
+    first call comes rendered by its session); with a partial-rollout checkpoint, validate it
+    against the prompt."""
+    prompt = r.inputs.prompt
     if r.inputs.rendered is not None:  # an agent's first call, rendered by its session
         r.prompt_ids = r.inputs.rendered
-    else:
+        return Trigger.START
+    if r.inputs.environment is not None:
+        stopped, prompt = await start_episode(rt, r)
+        if stopped is not None:  # the sample keeps its own prompt, and ends here
+            r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools, r.inputs.tool_schemas)
+            return stopped
+    try:
+        r.prompt_ids = await rt.prompt_ids(prompt, r.inputs.allowed_tools, r.inputs.tool_schemas)
+    except Exception as exc:
+        if prompt is r.inputs.prompt:
+            raise  # the sample's own prompt: a crash, as before any environment
+        r.record.error = f"environment {env_name(r.inputs.environment)}: the prompt its start made cannot be rendered: {type(exc).__name__}: {exc}"
         r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools, r.inputs.tool_schemas)
-    if rt.keeps_history and r.inputs.harness is None:
-        r.history = History(tuple(prompt_messages(r.inputs.prompt)),
+        return Trigger.ENV_FAILED
+    if rt.keeps_history and r.inputs.harness is None:  # the conversation as the template renders it
+        r.history = History(tuple(prompt_messages(prompt)),
                             tuple(rt.tool_schemas(r.inputs.allowed_tools, r.inputs.tool_schemas)))
     saved = r.inputs.saved
     if not (r.cfg.partial_rollout and saved is not None):
@@ -85,6 +104,38 @@ async def step_reset(rt: Runtime, r: Rollout) -> str:
             text = rt.profile.decode(restored.traj.response_ids[last.start : last.end].tolist())
             r.turn = TurnScratch(text=text, parsed=rt.profile.parse_turn(text))
     return Trigger.RESUME
+
+
+async def start_episode(rt: Runtime, r: Rollout) -> tuple[str | None, Any]:
+    """The environment's `start`, bounded by `engine_tool_timeout`: (None, the prompt to render), or
+    (the trigger that ends the sample, the sample's prompt) when it failed or the caller aborts."""
+    env = r.inputs.environment
+    task = envs.Task(r.inputs.prompt, r.inputs.metadata if isinstance(r.inputs.metadata, dict) else {},
+                     r.inputs.environment_args or {})
+    r.env_started = True
+    timing = episodes.Timing()
+    starting = asyncio.ensure_future(within(rt.cfg.tool_timeout, episodes.call(env, "start", task, timing=timing)))
+    try:
+        if not await finished_unless_aborted(rt, starting):
+            r.record.error = f"abort requested while environment {env_name(env)} started"
+            r.stop_because("abort_requested")
+            return Trigger.CANCELLED, r.inputs.prompt
+        r.env_episode, prompt = envs.check_opening(starting.result(), r.inputs.prompt)
+    except asyncio.TimeoutError:
+        r.record.error = f"environment {env_name(env)} did not start within {rt.cfg.tool_timeout:g} seconds"
+        return Trigger.ENV_FAILED, r.inputs.prompt
+    except Exception as exc:  # the environment's bug or its backend's failure: recorded, never raised
+        r.record.error = f"environment {env_name(env)} failed to start: {type(exc).__name__}: {exc}"
+        return Trigger.ENV_FAILED, r.inputs.prompt
+    finally:
+        r.record.env_seconds += timing.seconds
+    r.conversation = episodes.prompt_messages(prompt)
+    return None, prompt
+
+
+def env_name(env: Any) -> str:
+    """An environment's name, for the messages."""
+    return str(getattr(env, "name", "") or type(env).__name__)
 
 
 @step("generate")
@@ -142,6 +193,9 @@ async def step_tool_call(rt: Runtime, r: Rollout) -> str:
     for res in results:
         r.record.tools.count(res)
     r.turn.results = results
+    if r.conversation is not None:  # an environment will read this turn and its answers
+        r.conversation.append(episodes.assistant_message(episodes.plain(rt.tokenizer, rt.profile, r.turn.text), parsed))
+        r.conversation.extend(episodes.tool_messages(results))
     last = r.traj.response_ids[-1] if r.traj.response_length else None
     r.turn.observation_ids = rt.profile.observation_ids(parsed, results, last)
     if r.history is not None:
@@ -171,7 +225,7 @@ async def run_tool_calls(rt: Runtime, r: Rollout) -> str:
     name = tool_of(r.state)
     mine = [c for c in r.turn.pending_calls if c.name == name]
     r.turn.pending_calls = [c for c in r.turn.pending_calls if c.name != name]
-    tool = tools.get(name)
+    tool = rt.tool(name)
     assert tool is not None, f"tool {name} left the registry mid-rollout"
     started = time.perf_counter()
     if name not in r.tool_sessions:
@@ -207,18 +261,19 @@ async def run_tool_calls(rt: Runtime, r: Rollout) -> str:
 async def step_environment(rt: Runtime, r: Rollout) -> str:
     """The environment answers the model's turn; its reply becomes the next user turn's ids.
 
-    Each call (`start` on the episode's first turn, then `respond`) is bounded by
-    `engine_tool_timeout`. An environment that raises, returns the wrong type or never answers
+    `respond` gets the conversation so far and is bounded by `engine_tool_timeout`; its time is
+    kept with the turn. An environment that raises, returns the wrong type or never answers
     fires `environment_failed`: the sample ends FAILED with the reason recorded, untrained.
     """
     env = r.inputs.environment
-    name = getattr(env, "name", type(env).__name__)
+    name = env_name(env)
+    messages = r.conversation if r.conversation is not None else []
+    messages.append(episodes.assistant_message(episodes.plain(rt.tokenizer, rt.profile, r.turn.text), r.turn.parsed))
+    seen = episodes.conversation(messages, r.prompt_ids, r.traj, rt.profile.decode, r.turn_count)
+    timing = episodes.Timing()
+    answering = asyncio.ensure_future(within(rt.cfg.tool_timeout,
+                                             episodes.call(env, "respond", r.env_episode, seen, timing=timing)))
     try:
-        if not r.env_started:
-            r.env_started = True
-            metadata = r.inputs.metadata if isinstance(r.inputs.metadata, dict) else {}
-            r.env_episode = await within(rt.cfg.tool_timeout, env.start(r.inputs.prompt, metadata))
-        answering = asyncio.ensure_future(within(rt.cfg.tool_timeout, env.respond(r.env_episode, r.turn.text)))
         if not await finished_unless_aborted(rt, answering):
             # The caller is ending the step: end resumable, as a tool turn would.
             r.record.error = f"abort requested while environment {name} answered"
@@ -231,8 +286,13 @@ async def step_environment(rt: Runtime, r: Rollout) -> str:
     except Exception as exc:  # the environment's bug or its backend's failure: recorded, never raised
         r.record.error = f"environment {name} failed: {type(exc).__name__}: {exc}"
         return Trigger.ENV_FAILED
+    finally:
+        r.turn.env_seconds = timing.seconds
+        r.turn.env_blocked = timing.blocked if timing.blocked >= episodes.BLOCKING_SECONDS else 0.0
+        r.record.env_seconds += timing.seconds
     r.turn.env_reply = reply
     if not reply.done:
+        messages.append({"role": "user", "content": reply.text})
         last = r.traj.response_ids[-1] if r.traj.response_length else None
         r.turn.observation_ids = rt.profile.user_turn_ids(reply.text, last)
         if r.history is not None:
@@ -277,7 +337,7 @@ async def step_compact(rt: Runtime, r: Rollout) -> str:
     r.turn.reply = outcome
     summary = ""
     if outcome.problem is None:
-        summary = rt.profile.split_turn(rt.profile.decode(outcome.ids))[1]
+        summary = rt.profile.read_turn(rt.profile.decode(outcome.ids)).content.strip()
     else:
         r.record.error = f"{outcome.problem}: {outcome.problem_detail}"
     prompt, compacted, dropped = compacted_prompt(rt, history, summary, keep, at) if summary else ((), None, 0)
@@ -416,7 +476,7 @@ async def drive(rt: Runtime, r: Rollout, machine: RolloutMachine | None = None) 
     finally:
         if deferred:
             full_collections.exit()
-        await release_tool_sessions(r)
+        await release_tool_sessions(rt, r)
         await end_episode(rt, r)
     return r
 
@@ -459,11 +519,11 @@ def final_model_text(rt: Runtime, r: Rollout) -> str:
     return rt.profile.decode(ids) if ids else ""
 
 
-async def release_tool_sessions(r: Rollout) -> None:
+async def release_tool_sessions(rt: Runtime, r: Rollout) -> None:
     """Give every tool its per-trajectory session back, whatever happened."""
     for name, session in list(r.tool_sessions.items()):
-        tool = tools.get(name)
         try:
+            tool = rt.tool(name)
             if tool is not None:
                 await asyncio.shield(tool.release(session))
         except Exception:  # a release failure must not hide the sample's own outcome
@@ -476,10 +536,14 @@ async def end_episode(rt: Runtime, r: Rollout) -> None:
     if not r.env_started:
         return
     r.env_started = False
+    timing = episodes.Timing()
     try:
-        await asyncio.shield(within(rt.cfg.tool_timeout, r.inputs.environment.end(r.env_episode)))
+        ending = episodes.call(r.inputs.environment, "end", r.env_episode, timing=timing)
+        await asyncio.shield(within(rt.cfg.tool_timeout, ending))
     except Exception:  # the sample's own outcome stands
         pass
+    finally:
+        r.record.env_seconds += timing.seconds
     r.env_episode = None
 
 
@@ -493,9 +557,13 @@ def new_rollout(
     saved: Saved | None = None,
     tool_schemas: dict[str, dict[str, Any]] | None = None,
     metadata: dict[str, Any] | None = None,
+    environment: Any = DEFAULT_ENVIRONMENT,
+    environment_args: dict[str, Any] | None = None,
 ) -> Rollout:
     """A rollout at RESET for a prompt. `tools_requested` narrows the tools (a sample's own list);
-    `metadata` is the sample's, which the runtime's environment (if any) starts its episode from."""
+    `metadata` is the sample's, which its environment starts the episode from: `environment`, set
+    up by the runtime (None: none; by default the runtime's, `engine_environment`), with its
+    `environment_args` for this sample."""
     params = dict(sampling_params)  # the caller's dict is never changed (slime shares one in evaluation)
     asked = params.get("max_new_tokens")
     inputs = Inputs(
@@ -508,8 +576,9 @@ def new_rollout(
         tool_schemas=tool_schemas,
         abort_check=rt.abort_requested,
         saved=saved,
-        environment=rt.environment,
+        environment=rt.environment if environment is DEFAULT_ENVIRONMENT else environment,
         metadata=metadata,
+        environment_args=environment_args,
         compact_at=rt.compact_at,
     )
     return Rollout(inputs)

@@ -15,13 +15,13 @@ import attrs
 
 from engine import tools
 from engine.aio import Gate
-from engine.config import EngineConfig
 from engine.loop.abort import AbortSignal
-from engine.loop.environment import set_up_environment
+from engine.loop.environment import Environments
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
-from engine.sglang.client import SGLangClient, make_http_client
+from engine.settings import EngineConfig
+from engine.sglang.client import ServiceClient, SGLangClient, make_http_client
 from engine.tools import mcp_servers
 
 START_GATE = 32  # samples beginning their set-up per event-loop turn when many start at once
@@ -40,7 +40,9 @@ class Runtime:
     tool_runner: ToolRunner
     abort: AbortSignal = attrs.field(factory=AbortSignal)
     abort_check: Callable[[], bool] | None = None  # the caller's own flag (slime's, via the adapter)
-    environment: Any = None  # the chosen `engine.envs.Environment`, set up for this runtime (None: none)
+    # The environments set up for this runtime, by name: the default (`engine_environment`) at once,
+    # those samples name (`metadata["environment"]`) when one first does.
+    environments: Environments = attrs.field(init=False)
     # Long rollouts (docs/long-rollouts.md), read once from the settings and the profile's template.
     compact_at: int | None = attrs.field(default=None, init=False)  # engine_compaction's threshold (None: off)
     reasoning_rule: str = attrs.field(default="kept", init=False)  # which earlier reasoning the prompt keeps
@@ -48,13 +50,17 @@ class Runtime:
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
     _prompts: OrderedDict[Any, tuple[int, ...]] = attrs.field(factory=OrderedDict)  # exact_key(prompt), tools, ... -> ids
+    # Each registered tool as `setup` made it for these settings, beside the registered one it was made from.
+    _tools: dict[str, tuple[tools.Tool, tools.Tool]] = attrs.field(factory=dict, init=False)
     # One poller of the abort check for every tool turn running, not a task or a timer per turn.
     _cut_on_abort: set[asyncio.Future[Any]] = attrs.field(factory=set, init=False)
     _abort_poller: asyncio.Future[None] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.environment is None:  # the one `engine_environment` names, set up for this runtime
-            self.environment = set_up_environment(self.cfg, self.profile)
+        # Their services are asked through the loop's one pool, as /generate is.
+        self.environments = Environments(self.cfg, self.profile, ServiceClient(self.client.http, self.cfg.retry))
+        for name in tools.names():  # a tool's settings are checked now, not at its first call
+            self.tool(name)
         self.compact_at = self.cfg.threshold()
         renders = callable(getattr(self.profile, "render_messages", None))
         if self.compact_at is not None and not renders:
@@ -71,11 +77,29 @@ class Runtime:
 
     def fans_out(self) -> bool:
         """Whether a sample of the engine's own loop may come back as several (slime's fan-out): a
-        compaction, a render that drops earlier reasoning (after any turn, or after a user turn where
-        an environment writes them), or one sample per turn. Then every sample comes back as a list,
-        one shape for slime's loop to flatten."""
-        return (self.compact_at is not None or self.cfg.samples == "per_turn" or self.reasoning_rule == "dropped"
-                or (self.reasoning_rule == "until_user" and self.environment is not None))
+        compaction, a template that drops earlier reasoning (after any turn, or after a user turn,
+        which an environment a sample names may write), or one sample per turn. Then every sample
+        comes back as a list, one of one included: slime flattens a step by its first element's
+        shape, and a step mixing a `Sample` with lists fails there."""
+        return self.keeps_history or self.cfg.samples == "per_turn"
+
+    @property
+    def environment(self) -> Any:
+        """The default environment (`engine_environment`), set up for this runtime; None: none."""
+        return self.environments.default
+
+    def tool(self, name: str) -> tools.Tool | None:
+        """The tool registered as `name`, set up for this runtime's settings (`Tool.setup`), or None.
+
+        A tool registered after the runtime was made is set up at its first call.
+        """
+        registered = tools.get(name)
+        if registered is None:
+            return None
+        made = self._tools.get(name)
+        if made is None or made[0] is not registered:
+            made = self._tools[name] = (registered, self.cfg.set_up(registered))
+        return made[1]
 
     def in_flight(self) -> InFlight:
         """A sample's whole life in this runtime (`async with rt.in_flight():`), entered first thing by the adapter.
@@ -149,8 +173,9 @@ class Runtime:
         """Load the tokenizer and tool modules, open the HTTP pool. Call inside the event loop."""
         for module in cfg.tool_modules:
             importlib.import_module(module)
-        if cfg.mcp_servers:  # their tools register like a module's, before the machine is built
-            mcp_servers.register_servers(cfg.mcp_servers, cfg.tool_timeout)
+        mcp = cfg.plugin(mcp_servers.McpSettings)
+        if mcp.servers:  # their tools register like a module's, before the machine is built
+            mcp_servers.register_servers(mcp.servers, mcp.list_timeout, cfg.tool_timeout)
         configure_sandbox(cfg)
         tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer_path)
         if cfg.gc_freeze:
@@ -158,7 +183,7 @@ class Runtime:
         http = http if http is not None else make_http_client(cfg)
         client = SGLangClient(cfg.server_url, http, cfg.retry, request_timeout=cfg.request_timeout,
                               vocab_size=vocabulary_size(tok))
-        return cls(cfg, tok, make_profile(cfg.profile, tok, tool_parser=cfg.tool_parser), client, ToolRunner(cfg), abort_check=abort_check)
+        return cls(cfg, tok, make_profile(cfg.profile, tok, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser), client, ToolRunner(cfg), abort_check=abort_check)
 
     def tool_schemas(
         self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None
@@ -181,12 +206,10 @@ class Runtime:
         return frozenset(allowed)
 
     async def aclose(self) -> None:
-        """Close the environment, the MCP servers this loop started, and the HTTP pool."""
+        """Close the environments, the MCP servers this loop started, and the HTTP pool."""
         try:
-            if self.environment is not None:
-                await self.environment.aclose()
-            if self.cfg.mcp_servers:
-                await mcp_servers.close_connections()  # the servers this loop started end with the run
+            await self.environments.aclose()
+            await mcp_servers.close_connections()  # the servers this loop started end with the run
         finally:
             await self.client.http.aclose()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine import tools
 from engine.aio import Gate, within
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.profiles.base import CallResult, ToolCall
 
 TRUNCATION_MARKER = "\n...[tool output truncated: {n} characters dropped]"

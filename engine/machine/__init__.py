@@ -2,7 +2,8 @@
 
 Membership: code that decides or records a sample's path and changes its per-token arrays,
 with no I/O and no `await` (the loop does those between triggers). A new state, edge or
-guard is added here; nothing here knows slime, HTTP or a tool's implementation.
+guard is added here (a state's step, when it does I/O, is the loop's: docs/machine.md,
+"Adding a state"); nothing here knows slime, HTTP or a tool's implementation.
 """
 
 from engine.machine.rollout import Rollout

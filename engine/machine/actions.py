@@ -24,7 +24,7 @@ def reset_rollout(r: Rollout) -> None:
     r.max_new_tokens = None
     r.turn = TurnScratch()
     r.record.turn_log, r.record.weight_versions = [], []
-    r.record.env_reason = None
+    r.record.env_reason = r.record.env_success = None
     r.closed, r.segment_start = [], Marks.of(r.record)
 
 
@@ -62,7 +62,7 @@ def append_model_turn(r: Rollout) -> None:
     start = reply.routed_experts_start_len
     r.traj.append_model_turn(reply.ids, reply.logprobs, reply.top_p, reply.weight_version,
                              reply.routed_experts, r.traj.routed_rows if start is None else start)
-    r.partial_turn_tokens = 0
+    r.partial_turn_tokens = r.turn_resumes = 0
     _log_turn(r)
     # The trajectory holds the turn now. The reply's boxed ids and logprobs (a Python object each)
     # would otherwise stay until the next turn; only its verdict (finish, problem) is read again.
@@ -74,11 +74,11 @@ def append_partial_turn(r: Rollout) -> None:
     from them, within its own cap; the harness gets the whole turn as one reply."""
     reply = r.turn.reply
     assert reply is not None
-    held = r.partial_turn_tokens + len(reply.ids)
+    held, resumes = r.partial_turn_tokens + len(reply.ids), r.turn_resumes + 1
     append_model_turn(r)
     r.record.turn_log[-1]["aborted"] = True
     r.turn_count -= 1  # the turn it goes on with is the same turn
-    r.partial_turn_tokens = held
+    r.partial_turn_tokens, r.turn_resumes = held, resumes
 
 
 def record_unusable_reply(r: Rollout) -> None:
@@ -143,13 +143,18 @@ def _refusal(r: Rollout, call: ToolCall, allowed: int) -> str | None:
 
 
 def record_env_reply(r: Rollout) -> None:
-    """Keep the environment's reward with the model turn it answers; if it ended the episode, why."""
+    """Keep the environment's reward and its time with the model turn it answers; if it ended the episode, why."""
     reply = r.turn.env_reply
     assert reply is not None
     if r.record.turn_log:
+        last = r.record.turn_log[-1]
+        last["environment_seconds"] = round(r.turn.env_seconds, 6)
+        if r.turn.env_blocked:  # it held the event loop (the loop says when): every sample waited
+            last["environment_blocked_seconds"] = round(r.turn.env_blocked, 6)
         add_turn_reward(r, reply.reward)
     if reply.done:
         r.record.env_reason = reply.reason
+        r.record.env_success = reply.success
 
 
 _SHARED: dict[tuple[Any, ...], tuple[Any, ...]] = {}

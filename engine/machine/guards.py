@@ -88,10 +88,13 @@ def reply_over_budget(r: Rollout) -> bool:
     return reply is not None and budget is not None and r.traj.total_length + len(reply.ids) > budget
 
 
+RESUMES_PER_TURN = 8  # a server that aborts one turn more often than this is failing, not updating weights
+
+
 def abort_resumed_inside(r: Rollout) -> bool:
     """An agent's turn the server aborted (a weight update): it goes on from its tokens, and the
-    harness, which waits on the call, sees one ordinary reply."""
-    return r.inputs.harness is not None and server_aborted(r)
+    harness, which waits on the call, sees one ordinary reply (at most RESUMES_PER_TURN times a turn)."""
+    return r.inputs.harness is not None and server_aborted(r) and r.turn_resumes < RESUMES_PER_TURN
 
 
 def harness_answers(r: Rollout) -> bool:

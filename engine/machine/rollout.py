@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 import attrs
 
-from engine.config import EngineConfig
 from engine.machine.trajectory import Trajectory
 from engine.profiles.base import CallResult, ToolCall, Turn
+from engine.settings import EngineConfig
 from engine.sglang.wire import Reply
 
 ResumeAt = Literal["generate", "tools"]
@@ -70,6 +70,7 @@ class Inputs:
     metadata: Any = None  # the sample's metadata, read-only, for the environment's `start`
     harness: Any = None  # an agent's session (`engine.loop.harness.Harness`): the harness answers the model
     rendered: tuple[int, ...] | None = None  # the prompt's ids, rendered by the caller (an agent's first call)
+    environment_args: Any = None  # the environment's arguments for this sample (`metadata["environment"]["args"]`)
     compact_at: int | None = None  # engine_compaction: the open segment's length that starts COMPACT (None: off)
 
 
@@ -137,6 +138,8 @@ class TurnScratch:
     observation_ids: list[int] = attrs.field(factory=list)
     env_reply: Any = None  # the environment's `Reply` to this turn
     harness: HarnessEvent | None = None  # an agent's next call (or its end), after this turn was answered
+    env_seconds: float = 0.0  # how long the environment took to answer it
+    env_blocked: float = 0.0  # how long it held the event loop at once while answering, when that stalled others
     rerender: SegmentBreak | None = None  # the template's own next prompt, where it does not extend the sequence
     compaction: Compaction | None = None  # COMPACT's plan for the open segment
 
@@ -181,6 +184,8 @@ class Record:
     # Per /generate call, the meta_info counters slime accumulates (cached_tokens, spec_*...).
     call_stats: list[dict[str, int]] = attrs.field(factory=list)
     env_reason: str | None = None  # why the environment ended the episode, in its own words
+    env_success: bool | None = None  # whether it says the episode reached its goal
+    env_seconds: float = 0.0  # time in the environment: start, every answer, end
 
 
 @attrs.frozen
@@ -248,10 +253,13 @@ class Rollout:
     tool_sessions: dict[str, Any] = attrs.field(factory=dict)  # per-trajectory tool state, by tool name
     env_episode: Any = None  # what the environment's `start` returned (env_started: it was called)
     env_started: bool = False
+    # The episode's chat messages as `respond` sees them, recorded as turns happen (None: no environment).
+    conversation: list[dict[str, Any]] | None = None
     # Partial rollout: what RESET made of the caller's checkpoint, and how far the last turn got.
     resume: Restored | None = None
     resume_rejected: str | None = None
     partial_turn_tokens: int = 0
+    turn_resumes: int = 0  # how often an agent's turn was aborted and went on (reset by a whole turn)
     attempt: int = 1
     # An agent's session: the segments its history breaks closed, where the open one began, and
     # the cap and stop strings its waiting call asked for (`max_tokens`, `stop`).

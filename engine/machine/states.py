@@ -6,8 +6,8 @@ state needs no I/O, or the named `Step` the loop runs there (and whether that st
 so a cancellation can arrive). The state list, the awaiting set, the driver's dispatch and
 the legend are all built from it; a state without exactly one behaviour is refused here, a
 step the loop does not define when the driven machine is built. ENVIRONMENT is taken only
-when an environment is chosen (`engine_environment`), HARNESS only for an agent's session
-(`engine_agent`: the harness, not the engine, answers the model), COMPACT only with
+by a sample with an environment (its metadata's, else `engine_environment`), HARNESS only by an
+agent's session (`engine_agent`: the harness, not the engine, answers the model), COMPACT only with
 `engine_compaction`. Tool states (`TOOL_<NAME>`) are added
 per registered tool by `engine.machine.table`; they all run `TOOL_STEP`.
 """
@@ -133,19 +133,19 @@ S, T = State, Trigger
 # fmt: off
 STATES: tuple[StateDef, ...] = (
     #        name            kind        legend (diagrams/README.md)                                                   does
-    StateDef(S.RESET,        "core",     "forgets what an earlier attempt left, renders the prompt; with a partial-rollout checkpoint, validates it", Step("reset")),
+    StateDef(S.RESET,        "core",     "forgets what an earlier attempt left, starts the sample's environment (which may shape the prompt), renders the prompt; with a partial-rollout checkpoint, validates it", Step("reset", awaits=True)),
     StateDef(S.RESUME,       "core",     "puts back the partial trajectory of an aborted sample whose checkpoint matched, then re-runs its pending tool calls or goes on generating", T.CONTINUE),
     StateDef(S.BUDGET_CHECK, "core",     "before each turn: ends ABORTED (resumable) if the caller is aborting the step, TRUNCATED if the prompt alone is over budget or the context, per-turn cap or turns are spent, else clamps max_new_tokens to the room left", T.CHECK),
     StateDef(S.GENERATE,     "core",     "one /generate request; the reply's ids and logprobs are taken as sent, then the turn is parsed (answer, tool call, invalid)", Step("generate", awaits=True)),
     StateDef(S.TOOL_CALL,    "core",     "plans the turn's calls (surplus or unparsable ones get an error answer), hands them to the tool states, appends the observation (mask 0)", Step("tool_call")),
-    StateDef(S.ENVIRONMENT,  "core",     "the chosen environment (engine_environment) answers a model turn that is not a tool call: a user turn appended (mask 0) and the turn's reward, or the end of the episode", Step("environment", awaits=True)),
+    StateDef(S.ENVIRONMENT,  "core",     "the sample's environment (its metadata's, else engine_environment) answers a model turn that is not a tool call: a user turn appended (mask 0) and the turn's reward, or the end of the episode", Step("environment", awaits=True)),
     StateDef(S.HARNESS,      "core",     "agent mode (engine_agent): answers the harness's waiting model call with the turn, then awaits its next call, whose history extends what was sampled (the added messages appended, mask 0) or breaks the segment (a new one from the history as given), or the session's end", Step("harness", awaits=True)),
     StateDef(S.COMPACT,      "core",     "engine_compaction, before the open segment overflows: summarize asks the policy for a summary in the segment's own context, drop_oldest leaves the oldest exchanges out; a new segment starts from the prompt, the summary and the latest turns as the template renders them", Step("compact", awaits=True)),
     StateDef(S.TRIM,         "core",     "cuts every per-token array to the budget together after a reply or an observation overflowed it", T.TRIM),
     StateDef(S.COMPLETED,    "terminal", "the model gave its final answer"),
     StateDef(S.TRUNCATED,    "terminal", "a budget ran out (context, turns, tool calls) or the turn hit its max_new_tokens"),
     StateDef(S.ABORTED,      "terminal", "the attempt ended on an unusable reply, a server abort, a failed request, a cancellation, the caller's abort, or a broken invariant (response discarded)"),
-    StateDef(S.FAILED,       "terminal", "an engine error, a request the server rejected, or a tool that cannot work (nothing of it trained)"),
+    StateDef(S.FAILED,       "terminal", "an engine error, a request the server rejected, a tool or an environment that cannot work (nothing of it trained)"),
 )
 # fmt: on
 TOOL_STEP = Step("tool_calls", awaits=True)  # every tool state's step: run the turn's waiting calls to its tool

@@ -99,6 +99,7 @@ def core_edges() -> list[Edge]:
     return [
         # source          trigger               dest            guard                       actions (, reasons its actions record instead)
         E(S.RESET,        T.START,              S.BUDGET_CHECK, None,                       (a.reset_rollout,)),
+        E(S.RESET,        T.ENV_FAILED,         S.FAILED,       None,                       (a.reset_rollout,)),
         E(S.RESET,        T.RESUME,             S.RESUME,       g.checkpoint_valid,         (a.restore_checkpoint,)),
         E(S.RESET,        T.RESUME,             S.BUDGET_CHECK, otherwise,                  (a.reset_rollout,)),
         E(S.RESUME,       T.CONTINUE,           S.TOOL_CALL,    g.tools_pending,            (a.plan_tool_calls,)),
@@ -297,16 +298,26 @@ class MachineSpec:
         return bound
 
     def reason_statuses(self) -> dict[str, str]:
-        """Every termination reason an edge records, and the terminal status it ends in.
+        """Every termination reason an edge can record, and the terminal status it ends in.
 
         An edge into TRIM records its reason on the way to TRUNCATED, so a reason recorded on
         the way to a non-terminal state ends where that state's edges (fault edges aside) all
         lead. An edge with `records` (reasons an action writes in place of the guard's name: the
         reply's own problem) ends with those instead of its guard's name.
         """
+        # States a sample can reach with no reason recorded yet: only edges leaving them can
+        # record one (TRIM is entered by edges that record theirs, so `trim` is never recorded),
+        # except `invariant_violated`, whose reason replaces any other.
+        open_states, frontier = {str(State.RESET)}, [str(State.RESET)]
+        while frontier:
+            here = frontier.pop()
+            for e in self.edges:
+                if e.source == here and e.reason is None and e.dest not in open_states:
+                    open_states.add(e.dest)
+                    frontier.append(e.dest)
         out: dict[str, str] = {}
         for e in self.edges:
-            if e.reason is None:
+            if e.reason is None or (e.source not in open_states and e.trigger != Trigger.INVARIANT_VIOLATED):
                 continue
             ends = {e.dest} if e.dest in TERMINALS else {
                 x.dest for x in self.edges if x.source == e.dest and x.trigger not in FAULT_TRIGGERS}

@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from engine.profiles.base import CallResult, Profile, ToolCall, Turn, TurnKind
+from engine.profiles.base import CallResult, Profile, ToolCall, Turn, TurnKind, TurnReading
 
 ProfileFactory = Callable[[Any], Profile]
 _PROFILES: dict[str, str | ProfileFactory] = {
@@ -35,11 +35,12 @@ def profile_names() -> tuple[str, ...]:
     return tuple(sorted(_PROFILES))
 
 
-def make_profile(name: str, tokenizer: Any, *, tool_parser: str | None = None) -> Profile:
+def make_profile(name: str, tokenizer: Any, *, tool_parser: str | None = None, reasoning_parser: str | None = None) -> Profile:
     """The profile registered as `name`, over `tokenizer`.
 
-    `tool_parser` (an SGLang parser name) goes to a factory that takes it (chat does); naming
-    one for a profile that reads a single format of its own is an error, not ignored.
+    `tool_parser` and `reasoning_parser` (SGLang parser names) go to a factory that takes them
+    (chat does); naming one for a profile that reads a single format of its own is an error,
+    not ignored.
     """
     factory = _PROFILES.get(name)
     if factory is None:
@@ -47,15 +48,16 @@ def make_profile(name: str, tokenizer: Any, *, tool_parser: str | None = None) -
     if isinstance(factory, str):
         module, _, attr = factory.partition(":")
         factory = getattr(importlib.import_module(module), attr)
-    if tool_parser is None:
-        return factory(tokenizer)
+    given = {k: v for k, v in (("tool_parser", tool_parser), ("reasoning_parser", reasoning_parser)) if v is not None}
     try:
-        takes = "tool_parser" in inspect.signature(factory).parameters
+        takes = set(inspect.signature(factory).parameters)
     except (TypeError, ValueError):
-        takes = False
-    if not takes:
-        raise ValueError(f"the {name} profile reads its own tool-call format; engine_tool_parser is for chat")
-    return factory(tokenizer, tool_parser=tool_parser)
+        takes = set()
+    for key in given:
+        if key not in takes:
+            what = "tool-call" if key == "tool_parser" else "reasoning"
+            raise ValueError(f"the {name} profile reads its own {what} format; engine_{key} is for chat")
+    return factory(tokenizer, **given)
 
 
-__all__ = ["CallResult", "Profile", "ToolCall", "Turn", "TurnKind", "make_profile", "profile_names", "register_profile"]
+__all__ = ["CallResult", "Profile", "ToolCall", "Turn", "TurnKind", "TurnReading", "make_profile", "profile_names", "register_profile"]

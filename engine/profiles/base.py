@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import attrs
 
@@ -28,6 +28,15 @@ class Turn:
     calls: tuple[ToolCall, ...] = ()
     answer: str | None = None
     foreign: str | None = None  # an answer holding a call in another format than configured (that parser's name)
+
+
+class TurnReading(NamedTuple):
+    """One model turn split as SGLang serves it: the reasoning (`reasoning_content`), the text
+    outside reasoning and calls (`content`), and the calls read from outside the reasoning."""
+
+    reasoning: str
+    content: str
+    calls: tuple[ToolCall, ...]
 
 
 @attrs.frozen

@@ -1,7 +1,10 @@
-"""The `chat` profile: the tokenizer's own chat template; tool calls in the format `engine_tool_parser` names.
+"""The `chat` profile: the tokenizer's own chat template; reasoning and tool calls in the formats
+`engine_reasoning_parser` and `engine_tool_parser` name.
 
-Calls are read by the parser of that SGLang name (`engine.profiles.parsers`; default: the one
-the chat template's markup names, else hermes). A call inside `<think>...</think>` is not
+A turn is read as SGLang serves it (`read_turn`): the reasoning parser of that SGLang name
+splits off the reasoning (thinking is forced where the template's generation prompt opens it),
+then the tool-call parser reads the rest (`engine.profiles.parsers`; defaults: the ones the
+chat template's markup names, else no reasoning and hermes). A call inside the reasoning is not
 run. A turn without a call is the final answer; one that holds a call in another family's
 format is an answer too, but marked (`Turn.foreign`) so runs count it, even where that call
 shares the configured family's tags (a GLM body in hermes's `<tool_call>`): a block the
@@ -33,7 +36,7 @@ from typing import Any, Literal
 
 from engine import tools
 from engine.profiles import parsers
-from engine.profiles.base import CallResult, ToolCall, Turn
+from engine.profiles.base import CallResult, ToolCall, Turn, TurnReading
 from engine.profiles.retool import ANSWER_RE, parse_tool_call_json
 from engine.profiles.tokenizer import Codec
 
@@ -63,12 +66,21 @@ class ChatProfile:
     withheld_tools = ()  # every registered tool is offered
     renders_sample_schemas = True  # a dataset's own tool schemas (slime's --tool-key) are shown as given
 
-    def __init__(self, tokenizer: Any, tool_parser: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the chat profile needs a tokenizer with a chat template")
         self.tool_parser = tool_parser or parsers.default_tool_parser(tokenizer)
         self.parser = parsers.get_tool_parser(self.tool_parser)  # an unknown name: ValueError listing the known
+        self.reasoning_parser = reasoning_parser or parsers.default_reasoning_parser(tokenizer)
+        self.reasoning = parsers.get_reasoning_parser(self.reasoning_parser)  # None for "none"
         self.tokenizer = tokenizer
+        # Whether every turn starts inside the reasoning: the template's generation prompt opens it
+        # (Qwen3.5, GLM-4.7, DeepSeek-V3.1 with thinking), as SGLang forces thinking for such a request.
+        try:
+            prompt = tokenizer.apply_chat_template([_PROBE_USER], tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that cannot render a lone user message: the glue below says so
+            prompt = ""
+        self.thinking_forced = parsers.opens_reasoning(prompt, self.reasoning)
         self.codec = Codec(tokenizer)
         self._glue: tuple[dict[str, Any], str, Form] | None = None  # the turn tool_delta renders, its text from the sentinel on
         self._reasoning_rule: EarlierReasoning | None = None  # learnt on first use (`earlier_reasoning`)
@@ -92,9 +104,35 @@ class ChatProfile:
                                                   add_generation_prompt=True)
         return self.encode(text)
 
+    def read_turn(self, text: str, *, forced: bool | None = None, schemas: dict[str, Any] | None = None) -> TurnReading:
+        """One model turn as SGLang serves it: (reasoning, content, calls).
+
+        The reasoning parser splits off the reasoning, the tool-call parser reads the calls and the
+        content from the rest; a call that could not be read is a `ToolCall` with `error` set. The
+        content ends without the special tokens that end the turn (its closing token, an EOS), as a
+        server's chat API leaves them out. `forced`: whether the prompt opened the reasoning
+        (default: as this template's generation prompt does); `schemas`: tool name -> `parameters`,
+        what arguments are typed by (default: the registered tools'). The one reader of a turn for
+        what renders it again: a front door's answer, the conversation of a long rollout.
+        """
+        reading = parsers.read_turn(text, self.parser, self.reasoning, registered_schemas() if schemas is None else schemas,
+                                    forced=self.thinking_forced if forced is None else forced)
+        return reading._replace(content=self.strip_turn_end(reading.content))
+
+    def split_reasoning(self, text: str, forced: bool | None = None) -> tuple[str, str]:
+        """(the reasoning, the rest) of a model turn, by this profile's reasoning parser (none: no reasoning)."""
+        if self.reasoning is None:
+            return "", text
+        return self.reasoning.split(text, self.thinking_forced if forced is None else forced)
+
+    def strip_turn_end(self, text: str) -> str:
+        """`text` without the special tokens that end it (the turn's closing token, an EOS)."""
+        tail = self.codec.special_tail
+        return text if tail is None else tail.sub("", text)
+
     def parse_turn(self, text: str) -> Turn:
         """The turn's calls in the configured format; none: the answer (marked if another format's call is there)."""
-        _, acting = parsers.split_reasoning(text) if self.parser.reasoning else ("", text)
+        _, acting = self.split_reasoning(text)
         schemas = registered_schemas()
         parsed = self.parser.parse(acting, schemas)
         foreign = None
@@ -232,23 +270,13 @@ class ChatProfile:
             self._reasoning_rule = _reasoning_rule(self)
         return self._reasoning_rule
 
-    def split_turn(self, text: str) -> tuple[str, str, tuple[ToolCall, ...]]:
-        """A model turn as a server's chat API reads it: (its reasoning without the tags, the text
-        outside reasoning and calls without the tokens that end the turn, the well-formed calls)."""
-        reasoning, acting = parsers.split_reasoning(text) if self.parser.reasoning else ("", text)
-        inner = reasoning.strip()
-        inner = inner.removeprefix(_THINK_OPEN).removesuffix(_THINK_CLOSE).strip() if inner else ""
-        parsed = self.parser.parse(acting, registered_schemas())
-        content = parsed.content
-        specials = self.codec.special_pattern
-        if specials is not None:
-            content = re.sub(f"(?:\\s*(?:{specials.pattern}))+\\s*$", "", content)
-        return inner, content.strip(), tuple(c for c in parsed.calls if not c.error)
-
     def assistant_message(self, text: str) -> dict[str, Any]:
         """A model turn (its text as sampled) as this template's assistant message: what a server's
-        chat API hands back for it, and renders again on the next call."""
-        reasoning, content, calls = self.split_turn(text)
+        chat API hands back for it (`read_turn`; a call that could not be read is left out), and
+        renders again on the next call."""
+        reading = self.read_turn(text)
+        reasoning, content = reading.reasoning.strip(), reading.content.strip()
+        calls = [c for c in reading.calls if not c.error]
         if not calls:
             return assistant_turn((False, False, False), reasoning, content, [])
         form = self.call_form()
@@ -362,7 +390,6 @@ def registered_schemas() -> dict[str, Any]:
 
 
 _SCHEMAS: list[Any] = [None, {}]
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 NO_USABLE_CALL = "Error: the turn had no usable tool call"
 EarlierReasoning = Literal["kept", "until_user", "dropped"]
 _REASONING_PROBE = "@@earlier-reasoning-probe@@"
@@ -548,8 +575,7 @@ def _drift(profile: ChatProfile) -> str | None:
         except Exception:  # this template wants another form
             continue
         shown = text
-        acting = parsers.split_reasoning(text)[1] if profile.parser.reasoning else text
-        calls = profile.parser.parse(acting, schemas).calls
+        calls = profile.parser.parse(profile.split_reasoning(text)[1], schemas).calls
         if [(c.name, c.arguments, c.error) for c in calls] == [("code_interpreter", {"code": "print(6 * 7)"}, None)]:
             break
     else:

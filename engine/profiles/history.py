@@ -24,7 +24,6 @@ from typing import Any
 
 import attrs
 
-from engine.profiles import parsers
 from engine.profiles.chat import ChatProfile, tool_messages
 
 # How a compacted segment's prompt shows the summary: a user message after the original prompt.
@@ -80,7 +79,7 @@ class History:
 
     def add(self, profile: ChatProfile, text: str, *, results: Sequence[str] | None = None, user: str | None = None) -> None:
         """A model turn and what answered it, as the engine appended them."""
-        reasoning = bool(profile.parser.reasoning and parsers.split_reasoning(text)[0])
+        reasoning = bool(profile.split_reasoning(text)[0])
         self.exchanges.append(Exchange(text, reasoning, tuple(results) if results is not None else None, user))
 
     def may_rerender(self, rule: str) -> bool:

@@ -1,10 +1,14 @@
-"""The retool reward: the last `\\boxed{}` answer checked against the label, a tool-use nudge."""
+"""Rewards: the retool answer check (the last `\\boxed{}` answer against the label, a tool-use
+nudge), and the declared rule that combines an episode's per-turn rewards with it (`RewardRule`)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
+
+import attrs
 
 _BOXED = "\\boxed{"
 
@@ -68,3 +72,49 @@ def retool_score(response: str, label: Any, tool_calls: int) -> dict[str, Any]:
     if score < 0:
         score = min(-0.6, score + (tool_calls - 2) / 2 * 0.1)
     return {"score": score, "acc": correct, "pred": pred or ""}
+
+
+RULES = ("sum", "discounted", "last", "weighted")
+
+
+@attrs.frozen
+class RewardRule:
+    """How an episode's rewards make the one scalar a trainer gets (`engine_reward_rule`).
+
+    The parts: per model turn t = 1..T the reward an environment or its tools gave it, and, when
+    the task has an answer to check, the answer's reward A, which belongs to the last turn T:
+    - `sum`: every turn's reward, plus A;
+    - `discounted`: turn t weighs `discount`^(t-1), A as turn T (an episode that succeeds in
+      fewer turns scores more);
+    - `last`: the last turn's reward alone, plus A (an outcome judged at the end);
+    - `weighted`: `turn_weight` x the turns' sum + `answer_weight` x A.
+    """
+
+    # No defaults here: the settings declare them (engine_reward_*), once.
+    name: str = attrs.field(validator=attrs.validators.in_(RULES))
+    discount: float
+    turn_weight: float
+    answer_weight: float
+
+    def score(self, rewards: Mapping[int, float], turns: int, answer: float | None = None) -> float:
+        """The scalar of an episode of `turns` model turns, `rewards` by turn number (1-based), `answer` (None: not counted)."""
+        last = max([turns, *rewards]) if rewards or turns else 0
+        a = 0.0 if answer is None else answer
+        if self.name == "discounted":
+            return sum(self.discount ** (t - 1) * r for t, r in rewards.items()) + (self.discount ** max(last - 1, 0)) * a
+        if self.name == "last":
+            return rewards.get(last, 0.0) + a
+        if self.name == "weighted":
+            return self.turn_weight * sum(rewards.values()) + self.answer_weight * a
+        return sum(rewards.values()) + a
+
+
+def turn_rewards_by_turn(recorded: Sequence[Any]) -> dict[int, float]:
+    """`metadata["fsm"]["turn_rewards"]` as {turn number: reward}; entries of another shape are skipped."""
+    out: dict[int, float] = {}
+    for entry in recorded:
+        turn = entry.get("turn") if isinstance(entry, Mapping) else None
+        reward = entry.get("reward") if isinstance(entry, Mapping) else None
+        if isinstance(turn, int) and not isinstance(turn, bool) and isinstance(reward, (int, float)) and not isinstance(reward, bool):
+            out[turn] = out.get(turn, 0.0) + float(reward)
+    return out

@@ -1,8 +1,9 @@
 """The sandbox model-written code runs in: infrastructure no tool author needs to open.
 
-Membership: code that contains untrusted programs (the runner and its zygote, the child
-that builds the isolation, the probe that checks it works here, the attack suite that
-proves it). Tools call `run_python`; the engine calls `probe()` before rolling out.
+Membership: code that contains untrusted programs (the runner, its zygote and the zygote's
+forker, the child that builds the isolation, the Landlock rules and the seccomp allowlist, the
+probe that checks it works here, the attack suite that proves it). Tools call `run_python`; the
+engine calls `probe()` before rolling out.
 """
 
 from engine.sandbox.probing import SandboxProbe, probe, probe_sync

@@ -30,7 +30,7 @@ __all__ = ["BACKENDS", "CallFailed", "RaySettings", "check_backend", "configure"
 BACKENDS = ("local", "ray")
 RAY_MISSING = (
     "engine_sandbox_backend=ray needs the `ray` package, which is not installed here: "
-    "install the engine's `ray` extra (pip install 'fsm-rollout-engine[ray]') or `pip install ray`, "
+    "pip install 'ray>=2.9' (or, in the engine's checkout, pip install -e '.[ray]'), "
     "or set engine_sandbox_backend: local"
 )
 

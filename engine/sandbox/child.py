@@ -1,38 +1,42 @@
-"""What a forked child of the zygote does to become a sandbox, and the cleanup helper.
+"""What a forked run does to become a sandbox, and the cleanup helpers.
 
-Imported only by `engine/sandbox/zygote.py` (the zygote program, run by path), and by the
-engine for `SETUP_FAILED`; importing it runs nothing. Standard library only, because the
-zygote imports it before anything else and every sandboxed run inherits what it imports.
+Imported only by `zygote.py` and `forker.py` (the zygote's programs, loaded by path), and by the
+engine's tests; importing it runs nothing. Standard library only, because the zygote imports it
+before anything else and every sandboxed run inherits what it imports.
 
-A run's child, still root (or the engine's user) right after the fork, in this order:
-1. own session (so the zygote can kill the whole process group), default signal dispositions;
+A run, still root (or the engine's user) right after the fork, in this order:
+1. own session (so the whole process group can be killed), default signal dispositions;
 2. joins the run's cgroup(s) (v2, or the v1 memory and pids controllers), before it
    allocates anything, so every page and task the run ever makes is counted;
-3. new network, mount and IPC namespaces where the host allows them (IPC: SysV objects
-   die with the run and are invisible to every other run);
-4. in the mount namespace: the host read-only, a private size-limited tmpfs on /tmp,
+3. new mount namespace where the host allows it (network and IPC ones only where seccomp is
+   missing: the filter refuses every socket but an unnamed pair, and all SysV and POSIX IPC);
+4. in the mount namespace: the host read-only, a private size-limited tmpfs on /tmp (`nosuid`),
    `hide` covered by empty tmpfs, `expose` (the interpreter's directories, wherever they
-   live: /tmp, /root, /opt) bound back read-only, its own /proc, stand-in /etc/passwd.
-   All but the private /tmp and the stand-ins come from a template namespace the zygote
-   builds once (`build_template`); the child joins it and copies it (`isolate_run_fs`);
-   `isolate_fs` builds everything per run where no template could be built;
+   live: /tmp, /root, /opt) bound back read-only, its own /proc, stand-in /etc/passwd and
+   /etc/group naming root and the sandbox uids. All but the private /tmp come from a template
+   namespace the zygote builds once (`build_template`); the run joins it and copies it
+   (`isolate_run_fs`); `isolate_fs` builds everything per run where no template could be built;
 5. holds O_PATH descriptors of the paths Landlock will grant (`confine.hold`: the uid may
    not be able to reach them), drops to the run's own uid and checks that no capability
    survived, `PR_SET_NO_NEW_PRIVS`, kills leftovers of that uid; its session keyring is the
    zygote's sealed one (permissions 0: no run can keep a key there);
 6. rlimits (RLIMIT_NPROC counts the uid's tasks: see runner._config);
-7. last, in `zygote.become_run`: the Landlock ruleset and the seccomp filter (`confine.py`),
-   which need no privilege and hold the code in every mode, an ordinary user's included.
+7. last, in `forker.become_run`: the Landlock ruleset and the seccomp filter (`confine.py`),
+   which need no privilege and hold the code in every mode, an ordinary user's included,
+   then RLIMIT_NOFILE (Landlock's rules take a descriptor each).
 
-The cleanup helper (`clean_uid`) runs as the uid after a run that left something: SIGKILL
-to all of the uid's processes (kill(-1) is atomic with respect to fork), then it clears and
-invalidates the uid's keyrings and removes its SysV objects and its files in world-writable
-directories, so nothing of a run is left for the next lessee of the uid, in this engine
-process or another. The zygote skips it when the run's cgroup is empty, the uid holds no
-key, and the namespaces kept IPC objects and files private (the common case: a fork saved).
+The cleanup helpers run after a run that may have left something. `clean_uid` runs as the uid:
+SIGKILL to all of the uid's processes (kill(-1) is atomic with respect to fork), then it clears
+and invalidates the uid's keyrings and removes its SysV objects and its files in world-writable
+directories, so nothing of a run is left for the next lessee of the uid, in this engine process
+or another. `clean_group` kills what is left of a run without a uid of its own (its process
+group) and removes its work dir. Both remove trees with `remove_tree` (no recursion, no link
+followed, whatever modes the run left) and say what they could not remove: the zygote then
+quarantines the uid. The zygote skips them when the run's cgroup is empty, the uid holds no key,
+and nothing of it can be outside its namespaces (the common case: a fork saved).
 
-Any setup failure exits with `SETUP_FAILED` (125) after writing `<nonce> <error>` to stderr,
-so the engine can tell a broken sandbox from the program's own exit status.
+Any setup failure exits with `SETUP_FAILED` (125) after writing the error to the run's status
+pipe, which the zygote reads and the model's code never holds.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ import os
 import platform
 import re
 import resource
-import shutil
 import signal
 import stat
 import time
@@ -50,8 +53,10 @@ from typing import Any
 
 SETUP_FAILED = 125  # engine.sandbox.runner re-exports it
 CLEAN_STRAYS = 10  # the cleanup helper's exit code when it had to kill processes
+CLEAN_LEFT = 11  # ... when something of the run is left that it could not remove (the uid is quarantined)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MNT_DETACH = 2
 # Per-mount flags a read-only bind remount must repeat, or the kernel refuses it (EPERM).
 KEEP = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "relatime": 1 << 21}
 CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWIPC = 0x40000000, 0x00020000, 0x08000000
@@ -85,6 +90,10 @@ class Libc:
         """mount(2)."""
         args = [None if a is None else a.encode() for a in (src, target, fstype)]
         self.check(self.lib.mount(*args, flags, None if data is None else data.encode()), f"mount {target}")
+
+    def umount(self, target: str) -> None:
+        """umount2(2) with MNT_DETACH."""
+        self.check(self.lib.umount2(target.encode(), MNT_DETACH), f"umount {target}")
 
     def unshare(self, flags: int) -> None:
         """unshare(2) (os.unshare arrives in 3.12)."""
@@ -160,11 +169,12 @@ def join_cgroups(cgroups: list[list[Any]]) -> None:
             f.write(str(os.getpid()))
 
 
-def _account_files(uid: int, home: str) -> dict[str, str]:
-    """Stand-in /etc/passwd and /etc/group naming root and the run's own uid only."""
+def _account_files(uids: range, home: str) -> dict[str, str]:
+    """Stand-in /etc/passwd and /etc/group naming root and the sandbox uids only."""
     return {
-        "passwd": f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:{home}:/usr/sbin/nologin\n",
-        "group": f"root:x:0:\nsandbox:x:{uid}:\n",
+        "passwd": "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n" + "".join(
+            f"sandbox:x:{uid}:{uid}:sandbox:{home}:/usr/sbin/nologin\n" for uid in uids),
+        "group": "root:x:0:\n" + "".join(f"sandbox:x:{uid}:\n" for uid in uids),
     }
 
 
@@ -180,7 +190,7 @@ def isolate_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in cfg["expose"]]
     libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk']},nr_inodes=8192,mode=755")
     _hide_and_bind_back(libc, cfg["hide"], held)
-    _stand_in_accounts(libc, uid, cfg["workdir"])
+    _stand_in_accounts(libc, range(uid, uid + 1), cfg["workdir"])
     try:  # a /proc of our own that shows the sandbox only its own processes
         libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except OSError:
@@ -211,6 +221,12 @@ def build_template(libc: Libc, cfg: dict[str, Any]) -> None:
     outside = [p for p in cfg["expose"] if not _under(p, "/tmp")]  # /tmp ones: per run, see below
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in outside]
     _hide_and_bind_back(libc, cfg["hide"], held)
+    # The stand-in accounts of every sandbox uid, written on a small tmpfs that is detached again
+    # once they are bound in place (the bind mounts keep the files; the host's /tmp shows again).
+    libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=16,mode=755")
+    first, count = cfg["accounts"]
+    _stand_in_accounts(libc, range(first, first + count), cfg["workdir"])
+    libc.umount("/tmp")
     try:  # a /proc of our own that shows the sandbox only its own processes
         libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except OSError:
@@ -220,7 +236,8 @@ def build_template(libc: Libc, cfg: dict[str, Any]) -> None:
 
 def isolate_run_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
     """In a copy of the template: a private size-limited tmpfs on /tmp, the interpreter's
-    directories under /tmp (a venv) bound back read-only, stand-in accounts, the workdir."""
+    directories under /tmp (a venv) bound back read-only, the workdir (the template holds the
+    stand-in accounts)."""
     inside = [p for p in cfg["expose"] if _under(p, "/tmp")]
     held = [(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), path) for path in inside]
     libc.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk']},nr_inodes=8192,mode=755")
@@ -231,13 +248,12 @@ def isolate_run_fs(libc: Libc, cfg: dict[str, Any], uid: int) -> None:
         libc.mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
         if not os.statvfs(path).f_flag & os.ST_RDONLY:
             raise OSError(30, f"could not make {path} read-only")
-    _stand_in_accounts(libc, uid, cfg["workdir"])
     os.mkdir(cfg["workdir"], 0o700)
     os.chown(cfg["workdir"], uid, uid)
 
 
-def _stand_in_accounts(libc: Libc, uid: int, home: str) -> None:
-    for name, text in _account_files(uid, home).items():
+def _stand_in_accounts(libc: Libc, uids: range, home: str) -> None:
+    for name, text in _account_files(uids, home).items():
         target = f"/etc/{name}"
         if os.path.isfile(target):  # the host's users and groups are none of the code's business
             stand_in = f"/tmp/.{name}"
@@ -339,17 +355,43 @@ def enter(cfg: dict[str, Any], sys_path: list[str], before_drop: Any = None) -> 
 
 def set_limits(cfg: dict[str, Any]) -> None:
     """rlimits, after the uid drop (see runner._config). RLIMIT_AS bounds growth past what
-    the process already maps (the zygote's preloaded modules), not the inherited total."""
+    the process already maps (the zygote's preloaded modules), not the inherited total.
+    RLIMIT_NOFILE comes last, in `set_file_limit`: Landlock's rules open a descriptor each."""
     limits = dict(cfg["rlimits"])
     limits["AS"] += _mapped_bytes()
-    for name in ("NPROC", "FSIZE", "NOFILE", "AS"):
+    for name in ("NPROC", "FSIZE", "AS"):
         resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (limits[name], limits[name]))
     resource.setrlimit(resource.RLIMIT_CPU, (limits["CPU"], limits["CPU"] + 1))  # SIGXCPU, then SIGKILL
+
+
+def set_file_limit(cfg: dict[str, Any]) -> None:
+    """RLIMIT_NOFILE, once the Landlock rules' descriptors are closed."""
+    files = cfg["rlimits"]["NOFILE"]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 
 
 def _mapped_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def reaped(wake: int | None = None) -> list[tuple[int, int]]:
+    """Empty the SIGCHLD wakeup pipe `wake`, then reap every exited child without waiting:
+    (pid, exit code as `os.waitstatus_to_exitcode` gives it) each."""
+    try:
+        while wake is not None and os.read(wake, 512):
+            pass
+    except BlockingIOError:
+        pass
+    done = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return done
+        if pid == 0:
+            return done
+        done.append((pid, os.waitstatus_to_exitcode(status)))
 
 
 def _has_processes(uid: int) -> bool:
@@ -410,26 +452,133 @@ def cgroups_busy(cgroups: list[list[Any]]) -> bool:
     return False
 
 
-def _remove_ipc(uid: int) -> None:
-    """Remove the uid's SysV objects (only needed when runs share the host's IPC namespace)."""
-    lib = ctypes.CDLL(None, use_errno=True)
-    for kind, call in (("shm", lib.shmctl), ("msg", lib.msgctl), ("sem", lib.semctl)):
+SYSV_ID = {"shm": "shmid", "msg": "msqid", "sem": "semid"}
+
+
+def sysv_objects() -> list[tuple[str, dict[str, str]]]:
+    """Every SysV object of this IPC namespace: (kind, its /proc/sysvipc fields by column name)."""
+    found = []
+    for kind in SYSV_ID:
         try:
             with open(f"/proc/sysvipc/{kind}") as f:
                 header, *rows = f.read().splitlines()
         except OSError:
             continue
-        cols = header.split()
-        for row in rows:
-            fields = dict(zip(cols, row.split()))
-            if fields.get("uid") == str(uid) or fields.get("cuid") == str(uid):
-                call(int(fields["shmid" if kind == "shm" else "msqid" if kind == "msg" else "semid"]), IPC_RMID, None)
+        found += [(kind, dict(zip(header.split(), row.split()))) for row in rows]
+    return found
 
 
-def _remove_files(uid: int, workdir: str | None) -> None:
-    """Remove what the uid created in the world-writable directories, the workdir included."""
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
+def _remove_ipc(uid: int) -> None:
+    """Remove the uid's SysV objects (only needed when runs share the host's IPC namespace)."""
+    lib = ctypes.CDLL(None, use_errno=True)
+    calls = {"shm": lib.shmctl, "msg": lib.msgctl, "sem": lib.semctl}
+    for kind, fields in sysv_objects():
+        if fields.get("uid") == str(uid) or fields.get("cuid") == str(uid):
+            calls[kind](int(fields[SYSV_ID[kind]]), IPC_RMID, None)
+
+
+def _ident(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _enter_dir(parent: int, name: str) -> int:
+    """Open directory `name` beneath `parent` (never through a link) and make it u+rwx: the run
+    may have left it unreadable or unwritable to its owner (fchmod through a descriptor)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=parent)
+    except PermissionError:
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            os.chmod(f"/proc/self/fd/{handle}", 0o700)  # the directory itself, not a name a link could redirect
+        finally:
+            os.close(handle)
+        fd = os.open(name, flags, dir_fd=parent)
+    if os.fstat(fd).st_mode & 0o700 != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _unlink_files(fd: int) -> str | None:
+    """Unlink every entry of directory `fd` but directories; the name of one directory left, if any."""
+    subdir = None
+    with os.scandir(fd) as entries:
+        names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+    for name, is_dir in names:
+        if is_dir:
+            subdir = subdir or name
+        else:
+            os.unlink(name, dir_fd=fd)  # a link is removed, never followed
+    return subdir
+
+
+def _remove_beneath(parent: int, name: str, deadline: float) -> None:
+    """Remove `name` beneath directory `parent` depth first, one directory open at a time (a tree
+    deeper than the descriptor limit or the recursion limit is no harder), going back up through
+    ".." checked against the directory it came from."""
+    try:
+        st = os.lstat(name, dir_fd=parent)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=parent)
+        return
+    names, idents = [name], [_ident(parent)]
+    fd = _enter_dir(parent, name)
+    try:
+        while names:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(names)} levels deep when time ran out")
+            sub = _unlink_files(fd)
+            if sub is not None:
+                idents.append(_ident(fd))
+                inner = _enter_dir(fd, sub)
+                os.close(fd)
+                fd, inner = inner, -1
+                names.append(sub)
+                continue
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            if _ident(fd) != idents.pop():
+                raise OSError(f"{names[-1]!r} was moved while it was being removed")
+            os.rmdir(names.pop(), dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: str, deadline_s: float = 60.0) -> str:
+    """Remove `path` and everything beneath it, whatever modes, depth or links the run left:
+    without recursion, never following a link, every error caught. "" once `path` is gone,
+    else what is left and why (it is never raised: the caller reports it)."""
+    head, name = os.path.split(os.path.normpath(path))
+    problem = ""
+    try:
+        parent = os.open(head or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        return f"{path}: {type(e).__name__}: {e}"
+    try:
+        _remove_beneath(parent, name, time.monotonic() + deadline_s)
+    except Exception as e:  # noqa: BLE001 - whatever it was, the check below says what is left
+        problem = f"{type(e).__name__}: {e}"
+    finally:
+        os.close(parent)
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        problem = problem or f"{type(e).__name__}: {e}"
+    return f"{path} is left ({problem or 'no error seen'})"
+
+
+def _remove_files(uid: int, workdir: str | None) -> list[str]:
+    """Remove what the uid created in the world-writable directories, the workdir included;
+    what could not be removed."""
+    left = [remove_tree(workdir)] if workdir else []
     for parent in SHARED_DIRS:
         try:
             entries = list(os.scandir(parent))
@@ -437,21 +586,24 @@ def _remove_files(uid: int, workdir: str | None) -> None:
             continue
         for entry in entries:
             try:
-                st = entry.stat(follow_symlinks=False)
-                if st.st_uid != uid:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
                     continue
-                if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
             except OSError:
-                pass  # gone meanwhile
+                continue  # gone meanwhile
+            left.append(remove_tree(entry.path))
+    return [problem for problem in left if problem]
 
 
-def clean_group(pgid: int | None, workdir: str | None) -> int:
-    """The cleanup helper without a uid of the run's own: SIGKILL what is left of its process
-    group (a process that called setsid escapes this) and wait until it is gone, then
-    remove the working directory. Exit code: 0, or `CLEAN_STRAYS` when it killed something."""
+def _sysv_left(uid: int) -> list[str]:
+    return [f"SysV {kind} {fields[SYSV_ID[kind]]}" for kind, fields in sysv_objects() if fields.get("uid") == str(uid)]
+
+
+def clean_group(pgid: int | None, workdir: str | None, reap: Any = None) -> tuple[int, str]:
+    """Without a uid of the run's own: SIGKILL what is left of its process group until it is gone
+    (seccomp keeps every process of the run in it), then remove the working directory. `reap()`
+    reaps the killed where they are our children (a zombie still counts as a member).
+    (exit code, what is left): 0 or `CLEAN_STRAYS` when it killed something, `CLEAN_LEFT` with
+    the reason when something could not be removed."""
     found = False
     if pgid is not None:
         deadline = time.monotonic() + 5
@@ -461,16 +613,22 @@ def clean_group(pgid: int | None, workdir: str | None) -> int:
                 found = True
             except OSError:
                 break  # ESRCH: the group is gone (its zombies reaped too)
+            if reap is not None:
+                reap()
             time.sleep(0.002)
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return CLEAN_STRAYS if found else 0
+        else:
+            return CLEAN_LEFT, f"process group {pgid} survived SIGKILL for 5 s"
+    left = remove_tree(workdir) if workdir else ""
+    if left:
+        return CLEAN_LEFT, left
+    return (CLEAN_STRAYS if found else 0), ""
 
 
-def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) -> int:
+def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) -> tuple[int, str]:
     """The cleanup helper, already forked: as `uid`, kill everything of it, then clear its
-    keyrings, SysV objects (`shared_ipc`) and files (`shared_fs`). Exit code: 0, or
-    `CLEAN_STRAYS` when processes had to be killed."""
+    keyrings, SysV objects (`shared_ipc`) and files (`shared_fs`), and check that none is left.
+    (exit code, what is left): 0 or `CLEAN_STRAYS` when processes had to be killed,
+    `CLEAN_LEFT` with the reason when something survived."""
     become(uid)
     lib = libc()
     found = _has_processes(uid)
@@ -488,8 +646,14 @@ def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) 
         if serial > 0:
             lib.keyctl(KEYCTL_CLEAR, serial)
             lib.keyctl(KEYCTL_INVALIDATE, serial)
+    left = []
+    if _has_processes(uid):
+        left.append(f"processes of uid {uid} survived SIGKILL for 5 s")
     if shared_ipc:
         _remove_ipc(uid)
+        left += _sysv_left(uid)
     if shared_fs:
-        _remove_files(uid, workdir)
-    return CLEAN_STRAYS if found else 0
+        left += _remove_files(uid, workdir)
+    if left:
+        return CLEAN_LEFT, "; ".join(left)[:2000]
+    return (CLEAN_STRAYS if found else 0), ""

@@ -120,7 +120,8 @@ class ZygoteClient:
                 self.sock.sendmsg([json.dumps({"op": "run", "id": run_id, "cfg": cfg}).encode()], anc)
             except OSError as e:
                 self._pending.pop(run_id, None)
-                raise ZygoteError(f"the sandbox zygote is gone: {e}") from e
+                self._dead = f"the sandbox zygote is gone: {e}"  # the next call starts a new one
+                raise ZygoteError(self._dead) from e
         return run_id, fut
 
     def kill(self, run_id: int) -> None:
@@ -180,8 +181,8 @@ class ZygoteClient:
 
     @property
     def dead(self) -> bool:
-        """Whether the zygote has exited."""
-        return self._dead is not None
+        """Whether the zygote has exited (or stopped taking runs)."""
+        return self._dead is not None or self.proc.poll() is not None
 
 
 _lock = threading.Lock()

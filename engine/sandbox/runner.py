@@ -2,35 +2,43 @@
 
 Layers (each one is there because a model will eventually try what it stops):
 
-* A zygote per engine process (`zygote.py`, started by exec with an empty environment)
-  forks a child per call; the child isolates itself (`child.py`) and runs the code without
-  exec, so a call costs about a fork instead of three interpreter starts. `zygote.py`
-  says why what the child inherits from the warm zygote is safe.
+* A zygote per engine process (`zygote.py`, started by exec with an empty environment) keeps
+  the runs' records; its forker (`forker.py`), forked before any request, forks a child per
+  call that isolates itself (`child.py`) and runs the code without exec, so a call costs about
+  a fork instead of three interpreter starts, and no run forks from a process that held another
+  run's records. `zygote.py` says why what the child inherits is safe.
+* Only the host speaks for the sandbox: the child's setup reports on a pipe the zygote reads and
+  the model's code never holds; `SandboxError` comes from that report (or a dead zygote) alone,
+  never from what the code prints, writes or exits with.
 * An environment built from scratch: nothing of `os.environ` (API keys!) reaches the child.
 * As root, a uid/gid of its own per concurrent run (`UID_BASE`.., leased with `flock`, so
   two engines on one host never share one). RLIMIT_NPROC then counts exactly the run's
-  tasks, and cleanup is exact: after every run a helper running as that uid calls
-  `kill(-1, SIGKILL)` (atomic with respect to fork: double-forked daemons die too), clears
-  the uid's keyrings, and, where runs share the host's IPC namespace or filesystem,
-  removes its SysV objects and its files. A lease whose cleanup never finished (the engine
-  crashed) is cleaned before its next use, by any engine process on the host.
-  `PR_SET_NO_NEW_PRIVS` keeps setuid binaries from undoing the drop.
+  tasks, and cleanup is exact: after a run that may have left something a helper running as
+  that uid calls `kill(-1, SIGKILL)` (atomic with respect to fork: double-forked daemons die
+  too), clears the uid's keyrings, and, where runs share the host's IPC namespace or
+  filesystem, removes its SysV objects and its files, then checks that nothing is left. A uid
+  it cannot clean is quarantined: its lock file says why, and no engine leases it again. A
+  lease whose cleanup never finished (the engine crashed) is cleaned before its next use, by
+  any engine process on the host. `PR_SET_NO_NEW_PRIVS` keeps setuid binaries from undoing the drop.
 * The whole run bounded: a cgroup per uid slot (v2, or the v1 memory and pids
-  controllers) caps the memory of all its processes, threads, shared memory, memfd and
-  tmpfs together, and its task count. Without cgroups, per-process limits are sized so
-  that processes x address space stays within the run's memory budget. RLIMIT_AS also
-  applies per process (a single greedy allocation gets MemoryError, not the OOM killer).
-* As root, where the kernel allows: new network (no network at all), IPC (no SysV object
-  shared with any other run) and mount namespaces; in the last the host is read-only,
-  `/tmp` is a small private tmpfs holding the working directory `/tmp/sandbox`,
-  `HIDDEN_PATHS` and the engine's checkout are covered by empty tmpfs, the interpreter's
-  directories are bound back wherever they live, and `/proc` shows only the run's own
-  processes. Each layer is probed once; `capabilities()` reports what the host gave.
+  controllers) caps the memory of all its processes, threads, shared memory and tmpfs
+  together, and its task count. Without cgroups, per-process limits are sized so that
+  processes x address space stays within the run's memory budget. Either way the budget
+  also counts what the kernel may hold for the run's descriptors (socket and pipe buffers:
+  `_budget`). RLIMIT_AS also applies per process (a single greedy allocation gets
+  MemoryError, not the OOM killer).
+* As root, where the kernel allows: a mount namespace; the host is read-only, `/tmp` is a
+  small private `nosuid` tmpfs holding the working directory `/tmp/sandbox`, `HIDDEN_PATHS`
+  and the engine's checkout are covered by empty tmpfs, the interpreter's directories are
+  bound back wherever they live, and `/proc` shows only the run's own processes. Network and
+  IPC namespaces only where seccomp is missing (it refuses every socket but an unnamed pair,
+  and all SysV and POSIX IPC). Each layer is probed once; `capabilities()` reports what the
+  host gave.
 
-* In every mode, last before the model's code: a Landlock ruleset and a seccomp filter
-  (`confine.py`), which need no privilege. Without root they are what holds files, the
-  network, signals and the kernel's shared objects; as root they come on top of the above.
-  `capabilities()["cannot_hold"]` lists what this host's mode cannot hold.
+* In every mode, last before the model's code: a Landlock ruleset and a default-deny seccomp
+  allowlist (`confine.py`, `allowlist.py`), which need no privilege. Without root they are what
+  holds files, the network, signals and the kernel's shared objects; as root they come on top
+  of the above. `capabilities()["cannot_hold"]` lists what this host's mode cannot hold.
 
 Without root: the rlimits, the fresh environment, the process-group kill, Landlock and seccomp.
 """
@@ -40,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import grp
+import logging
 import math
 import os
 import pwd
@@ -55,7 +64,8 @@ import attrs
 from attrs import validators as v
 
 from engine.sandbox import client
-from engine.sandbox.child import SETUP_FAILED  # its exit code when it could not build the sandbox
+
+log = logging.getLogger(__name__)
 
 UID_BASE = 60000  # below systemd's DynamicUser range (61184..), inside a 16-bit userns map
 UID_COUNT = 1024
@@ -68,6 +78,8 @@ SANDBOX_DIR = "/tmp/sandbox"  # the child's cwd when the mount namespace is avai
 CGROUP_NAME = "engine-sandbox"  # the parent of the per-uid cgroups, under the engine's own
 _GIB, _MIB = 1 << 30, 1 << 20
 MIN_PROCESS_BYTES = 256 * _MIB  # without cgroups: the least address space worth a process
+MIN_FILES = 16  # descriptors a process keeps whatever the budget (stdio, imports, a few files)
+KERNEL_SHARE = 4  # at most 1/KERNEL_SHARE of a run's memory is what the kernel holds for its descriptors
 
 
 class SandboxError(RuntimeError):
@@ -257,9 +269,9 @@ def _v2_parent(point: str, path: str) -> str | None:
     return None
 
 
-def _cgroup_settings(caps: _Capabilities, uid: int, limits: SandboxLimits) -> list[list[Any]]:
+def _cgroup_settings(caps: _Capabilities, uid: int, budget: _Budget) -> list[list[Any]]:
     """Per-run `[dir, [[file, value], ...]]` for `child.join_cgroups` (the uid's slot cgroup)."""
-    memory, tasks = limits.memory_bytes, limits.max_processes
+    memory, tasks = budget.memory, budget.processes
     settings = {
         "unified": [["memory.max", memory], ["memory.swap.max", 0], ["pids.max", tasks]],
         # memsw must stay >= the limit at every step: lift it, set the limit, lower it.
@@ -273,13 +285,13 @@ def _cgroup_settings(caps: _Capabilities, uid: int, limits: SandboxLimits) -> li
 # --- capabilities ----------------------------------------------------------------------------
 
 def _probe_config(caps: _Capabilities, workdir: str) -> dict[str, Any]:
-    return _config(SandboxLimits(), None, caps, workdir=workdir, nonce=uuid.uuid4().hex, probe=True)
+    return _config(SandboxLimits(), None, caps, workdir=workdir, probe=True)
 
 
 def _try_layer(z: client.ZygoteClient, caps: _Capabilities) -> str:
     """Fork a probe child that builds the sandbox `caps` describe and exits; "" when it could."""
-    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-probe-{uuid.uuid4().hex}")
-    cfg = _probe_config(caps, workdir)
+    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{z.proc.pid}-probe-{uuid.uuid4().hex}")
+    cfg = dict(_probe_config(caps, workdir), netns=caps.netns, ipcns=caps.ipcns)  # the layer asked for, seccomp or not
     read, write = os.pipe2(os.O_CLOEXEC)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     code = os.memfd_create("sandbox-probe", os.MFD_CLOEXEC)
@@ -296,7 +308,7 @@ def _try_layer(z: client.ZygoteClient, caps: _Capabilities) -> str:
         return f"{type(e).__name__}: {e}"
     if done["rc"] == 0 and not done["error"]:
         return ""
-    return (err[len(cfg["nonce"]) + 1:].strip() if err.startswith(cfg["nonce"]) else err.strip()) or str(done)
+    return done["error"] or err.strip() or str(done)
 
 
 def _probe() -> _Capabilities:
@@ -354,6 +366,8 @@ def cannot_hold(caps: _Capabilities, layers: dict[str, Any]) -> list[str]:
     gaps = []
     if not caps.mntns:
         gaps.append("total disk use of a run: no private tmpfs, RLIMIT_FSIZE bounds each file only")
+        gaps.append("sizes and owners of files outside the work dir that the run's uid may look up: Landlock does "
+                    "not mediate stat, only a mount namespace hides a path")
     if caps.cgroup == "rlimits":
         gaps.append("memory and tasks across a run's processes: per-process rlimits sized to the budget only")
     if not caps.root:
@@ -370,9 +384,18 @@ def cannot_hold(caps: _Capabilities, layers: dict[str, Any]) -> list[str]:
     return gaps
 
 
+def _namespaces(caps: _Capabilities, seccomp: bool) -> tuple[bool, bool]:
+    """(network, IPC) namespaces a run gets. Only where seccomp is missing: the filter already
+    refuses every socket but an unnamed pair, and all SysV and POSIX IPC, so a namespace would
+    add only its cost (creating and tearing down a network namespace is most of a millisecond)."""
+    return caps.netns and not seccomp, caps.ipcns and not seccomp
+
+
 def network_isolated() -> bool:
-    """Whether runs get a network namespace of their own (no network at all). Probes once."""
-    return _capabilities().netns
+    """Whether runs have no network at all: the seccomp filter refuses every socket but an
+    unnamed pair, or (without seccomp) a network namespace of their own. Probes once."""
+    caps = _capabilities()
+    return bool(kernel_layers()["seccomp"]) or caps.netns
 
 
 def filesystem_isolated() -> bool:
@@ -385,13 +408,14 @@ def capabilities() -> dict[str, Any]:
     caps = _capabilities()
     z = client.current()
     layers = kernel_layers()
+    netns, ipcns = _namespaces(caps, layers["seccomp"])
     return {
-        "mode": mode(caps), "root": caps.root, "uid_per_run": bool(caps.uids), "netns": caps.netns,
-        "mntns": caps.mntns, "ipcns": caps.ipcns, "cgroup": caps.cgroup,
+        "mode": mode(caps), "root": caps.root, "uid_per_run": bool(caps.uids), "netns": netns,
+        "mntns": caps.mntns, "ipcns": ipcns, "cgroup": caps.cgroup,
         "landlock": layers["landlock"], "seccomp": layers["seccomp"], "cannot_hold": cannot_hold(caps, layers),
         "multiprocessing": MULTIPROCESSING, "zygote": z is not None,
         "preloaded": list(z.info.get("preloaded", [])) if z is not None else [],
-        "python": sys.executable, "exposed": list(caps.expose),
+        "python": sys.executable, "exposed": list(caps.expose), "quarantined": quarantined(caps.uids),
     }
 
 
@@ -408,38 +432,118 @@ def _tasks_of(uid: int) -> int:
     return count
 
 
+_per_fd: int | None = None
+
+
+def kernel_bytes_per_fd() -> int:
+    """The most kernel memory one descriptor of a run can hold: a unix socket at the default send
+    buffer (the filter refuses SO_SNDBUF) plus one message past it, or a pipe at its default
+    size (the filter refuses F_SETPIPE_SZ); the filter refuses sending descriptors, so none is
+    held in flight past the descriptor limit."""
+    global _per_fd
+    if _per_fd is None:
+        try:
+            with open("/proc/sys/net/core/wmem_default") as f:
+                wmem = int(f.read())
+        except (OSError, ValueError):
+            wmem = 212992
+        _per_fd = max(wmem * 3 // 2 + 4096, 17 * 4096)
+    return _per_fd
+
+
+@attrs.frozen
+class _Budget:
+    """How a run's memory budget is spent: `processes` (RLIMIT_NPROC, and the cgroup's tasks),
+    `files` per process (RLIMIT_NOFILE), `address_space` per process (RLIMIT_AS), `memory` the
+    cgroup's limit on the run's pages, `kernel` what the kernel may hold for its descriptors
+    (socket and pipe buffers: no cgroup counts unix socket buffers, no rlimit counts either)."""
+
+    processes: int
+    files: int
+    address_space: int
+    memory: int
+    kernel: int
+
+
+def _budget(limits: SandboxLimits, caps: _Capabilities, uid: int | None) -> _Budget:
+    """Split `limits.memory_bytes` so that pages and kernel buffers together stay within it. At most
+    1/KERNEL_SHARE goes to buffers; a small budget gets fewer descriptors, then fewer processes."""
+    memory, per_fd = limits.memory_bytes, kernel_bytes_per_fd()
+    if caps.cgroup != "rlimits" and uid is not None:  # the cgroup bounds the pages of all processes
+        share = memory // KERNEL_SHARE
+        files = min(limits.max_open_files, max(MIN_FILES, share // (limits.max_processes * per_fd)))
+        processes = max(1, min(limits.max_processes, share // (files * per_fd)))
+        kernel = processes * files * per_fd
+        return _Budget(processes, files, memory - kernel, memory - kernel, kernel)
+    # No cgroup: processes x (address space + buffers) <= budget.
+    processes = max(1, min(limits.max_processes, memory // MIN_PROCESS_BYTES))
+    each = memory // processes
+    files = min(limits.max_open_files, max(MIN_FILES, each // KERNEL_SHARE // per_fd))
+    return _Budget(processes, files, max(_MIB, each - files * per_fd), memory, processes * files * per_fd)
+
+
 def _rlimits(limits: SandboxLimits, caps: _Capabilities, uid: int | None) -> dict[str, int]:
-    nproc, memory = limits.max_processes, limits.memory_bytes
-    if caps.cgroup == "rlimits" or uid is None:  # no cgroup: processes x address space <= budget
-        nproc = max(1, min(nproc, memory // MIN_PROCESS_BYTES))
-        memory //= nproc
+    budget = _budget(limits, caps, uid)
+    nproc = budget.processes
     # RLIMIT_NPROC counts every task of the uid. Set after setresuid: lowered before it,
     # leftovers of the uid would make the kernel refuse the drop (PF_NPROC_EXCEEDED).
-    if uid is None:  # without a uid of our own it must leave room for this user's others
-        nproc += _tasks_of(os.getuid())
-    return {"NPROC": nproc, "FSIZE": limits.max_file_bytes, "NOFILE": limits.max_open_files,
-            "CPU": limits.cpu_seconds(), "AS": memory}
+    if uid is None:  # without a uid of our own it must leave room for this user's others (and the supervisor)
+        nproc += _tasks_of(os.getuid()) + 1
+    return {"NPROC": nproc, "FSIZE": limits.max_file_bytes, "NOFILE": budget.files,
+            "CPU": limits.cpu_seconds(), "AS": budget.address_space}
 
 
-def _config(limits: SandboxLimits, uid: int | None, caps: _Capabilities, *, workdir: str, nonce: str,
+def _config(limits: SandboxLimits, uid: int | None, caps: _Capabilities, *, workdir: str,
             probe: bool = False, dirty: bool = False) -> dict[str, Any]:
+    seccomp = "seccomp" not in _LAYERS_OFF
+    netns, ipcns = _namespaces(caps, seccomp and bool(kernel_layers()["seccomp"]))
+    cgroups = _cgroup_settings(caps, uid if uid is not None else 0, _budget(limits, caps, uid)) \
+        if caps.cgroup != "rlimits" else []
     return {
-        "uid": uid, "netns": caps.netns, "mntns": caps.mntns, "ipcns": caps.ipcns, "hide": caps.hide,
+        "uid": uid, "netns": netns, "mntns": caps.mntns, "ipcns": ipcns, "hide": caps.hide,
+        "accounts": [UID_BASE, UID_COUNT],
         "expose": caps.expose, "probe": probe, "dirty": dirty, "workdir": workdir, "disk": limits.disk_bytes,
-        "cgroups": _cgroup_settings(caps, uid if uid is not None else 0, limits) if caps.cgroup != "rlimits" else [],
-        "rlimits": _rlimits(limits, caps, uid), "env": _child_env(workdir), "nonce": nonce,
-        "landlock": "landlock" not in _LAYERS_OFF, "seccomp": "seccomp" not in _LAYERS_OFF,
+        "cgroups": cgroups, "rlimits": _rlimits(limits, caps, uid), "env": _child_env(workdir),
+        "landlock": "landlock" not in _LAYERS_OFF, "seccomp": seccomp,
     }
 
 
 class _Lease(NamedTuple):
     """Exclusive use of one sandbox uid: an flock on a root-owned lock file, freed by closing
-    `fd`. The file holds b"1" while the uid may hold something of a run (`dirty`: a crashed
-    engine's run that was never cleaned up)."""
+    `fd` (the run's supervisor and the zygote hold duplicates until its cleanup ends). The file
+    is empty while nothing of a run is left, holds b"1" while the uid may hold something of a
+    run (`dirty`: a crashed engine's run that was never cleaned up: cleaned before use), and
+    b"Q <reason>" once the uid is quarantined: something of a run could not be removed, so the
+    uid is never leased again (the host's operator removes the file once it is cleaned by hand)."""
 
     uid: int
     fd: int
     dirty: bool = False
+
+
+_reported: set[int] = set()  # quarantined uids this process has logged
+
+
+def _quarantine_seen(uid: int, reason: str, found: bool) -> None:
+    """Log a quarantined uid once per process: loudly where the run that left it was ours."""
+    if uid in _reported:
+        return
+    _reported.add(uid)
+    (log.warning if not found else log.info)(
+        "sandbox uid %d is quarantined and will not be leased again: %s (remove %s once cleaned by hand)",
+        uid, reason, os.path.join(LOCK_DIR, str(uid)))
+
+
+def quarantined(uids: tuple[int, ...]) -> int:
+    """How many of `uids` are quarantined on this host (their lock files say so)."""
+    count = 0
+    for uid in uids:
+        try:
+            with open(os.path.join(LOCK_DIR, str(uid)), "rb") as f:
+                count += f.read(1) == b"Q"
+        except OSError:
+            pass
+    return count
 
 
 def _try_lease(uids: tuple[int, ...]) -> _Lease | None:
@@ -448,6 +552,7 @@ def _try_lease(uids: tuple[int, ...]) -> _Lease | None:
     st = os.lstat(LOCK_DIR)
     if st.st_uid != 0 or st.st_mode & 0o022 or not os.path.isdir(LOCK_DIR) or os.path.islink(LOCK_DIR):
         raise SandboxError(f"{LOCK_DIR} must be a root-owned directory not writable by others")
+    barred = 0
     for _ in range(len(uids)):
         with _slot_lock:  # round robin, so a just-released uid rests
             uid, _next_slot = uids[_next_slot % len(uids)], _next_slot + 1
@@ -457,22 +562,37 @@ def _try_lease(uids: tuple[int, ...]) -> _Lease | None:
         except BlockingIOError:
             os.close(fd)
             continue
-        dirty = os.pread(fd, 1, 0) == b"1"
+        state = os.pread(fd, 4096, 0)
+        if state.startswith(b"Q"):
+            os.close(fd)
+            barred += 1
+            _quarantine_seen(uid, state[1:].decode(errors="replace").strip(), found=True)
+            continue
         os.pwrite(fd, b"1", 0)
-        return _Lease(uid, fd, dirty)
+        return _Lease(uid, fd, bool(state))
+    if barred == len(uids):
+        raise SandboxError(f"every sandbox uid ({UID_BASE}..{UID_BASE + UID_COUNT - 1}) is quarantined: "
+                           f"something of a run could not be removed; see {LOCK_DIR}")
     return None
 
 
-def _release(lease: _Lease, clean: bool) -> None:
-    if clean:
+def _release(lease: _Lease, ran: bool) -> None:
+    """Give the uid back. Once the run was handed to the zygote, its supervisor (or the zygote)
+    marks the file clean or quarantined; before that nothing ran, so it is clean."""
+    if not ran:
         os.ftruncate(lease.fd, 0)
-    os.close(lease.fd)  # drops the flock: the uid is free again
+    os.close(lease.fd)  # drops our hold on the flock; the supervisor's ends with its cleanup
 
 
 async def _lease(uids: tuple[int, ...]) -> _Lease:
     while (lease := _try_lease(uids)) is None:  # all uids busy: more runs than UID_COUNT
         await asyncio.sleep(0.05)
     return lease
+
+
+class _Retry(Exception):
+    """The run never started: its uid held leftovers that could not be removed (quarantined: lease
+    another), or its zygote had just died (start a new one)."""
 
 
 class _Collector:
@@ -541,17 +661,29 @@ async def run_python(
 ) -> SandboxResult:
     """Run `code` as a Python program in a fresh sandbox; returns with nothing of it left running.
 
-    Cancelling the awaiting task kills the whole run and waits (shielded) for its cleanup."""
+    Cancelling the awaiting task kills the whole run and waits (shielded) for its cleanup.
+    Raises `SandboxError` only on what the host saw (the sandbox could not be set up, the zygote
+    died): whatever the code prints, writes or exits with is its result."""
     caps = _caps if _caps is not None else await asyncio.to_thread(_capabilities)
+    for _ in range(len(caps.uids) + 2):
+        try:
+            return await _run_once(code, limits, stdin, caps)
+        except _Retry:
+            continue
+    raise SandboxError("no sandbox uid could be cleaned for this run, or no zygote would take it")
+
+
+async def _run_once(code: str, limits: SandboxLimits, stdin: bytes | None, caps: _Capabilities) -> SandboxResult:
+    retried_zygote = client.current() is None  # a zygote started now is not retried if it fails at once
     z = client.current() or await asyncio.to_thread(_zygote)
     lease = await _lease(caps.uids) if caps.root else None
     uid = lease.uid if lease else None
-    nonce = uuid.uuid4().hex
-    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{nonce}")
+    # Named after the zygote, so that its forker finds every run's work dir should the zygote die.
+    workdir = SANDBOX_DIR if caps.mntns else os.path.join("/tmp", f"sandbox-{z.proc.pid}-{uuid.uuid4().hex}")
     if uid is None:  # counting this user's tasks reads all of /proc: not on the event loop
-        cfg = await asyncio.to_thread(_config, limits, uid, caps, workdir=workdir, nonce=nonce)
+        cfg = await asyncio.to_thread(_config, limits, uid, caps, workdir=workdir)
     else:
-        cfg = _config(limits, uid, caps, workdir=workdir, nonce=nonce, dirty=bool(lease and lease.dirty))
+        cfg = _config(limits, uid, caps, workdir=workdir, dirty=bool(lease and lease.dirty))
     out = _Collector(limits.output_bytes, limits.drain_bytes)
     own: list[int] = []  # ours to close once sent (the zygote got copies)
     unread: list[int] = []  # read ends not handed to a transport yet
@@ -568,7 +700,7 @@ async def run_python(
         own.append(stdin_fd)
         own.append(_memfd("sandbox-code", code.encode("utf-8", errors="surrogateescape")))
         run_id, fut = z.submit(cfg, [stdin_fd, out_w, err_w, own[-1], *([lease.fd] if lease else [])],
-                               on_done=(lambda d, held=lease: _release(held, not d["error"])) if lease else None)
+                               on_done=(lambda d, held=lease: _release(held, True)) if lease else None)
     except BaseException as e:
         out.close()
         for fd in unread:
@@ -576,6 +708,8 @@ async def run_python(
         if lease is not None:
             _release(lease, False)
         if isinstance(e, client.ZygoteError):
+            if z.dead and not retried_zygote:  # it died (or stopped taking runs) just before: a new one
+                raise _Retry() from e
             raise SandboxError(str(e)) from e
         raise
     finally:
@@ -596,14 +730,17 @@ async def run_python(
             ours = True
         ended = await asyncio.shield(_drain(done, out, uid))
     result = done.result()
-    rc, err = result["rc"], bytes(out.kept[2])
+    if result.get("quarantine") and uid is not None:
+        _quarantine_seen(uid, result["quarantine"], found=False)
+    elif result.get("quarantine"):
+        log.warning("the sandbox could not remove everything a run left: %s", result["quarantine"])
+    if result.get("retry"):
+        raise _Retry()
     if result["error"]:
         raise SandboxError(result["error"])
-    if rc == SETUP_FAILED and err.startswith(nonce.encode()):
-        raise SandboxError(err.decode(errors="replace")[len(nonce) + 1:].strip())
     return SandboxResult(
-        stdout=out.kept[1].decode(errors="replace"), stderr=err.decode(errors="replace"),
-        returncode=None if ours else rc, timed_out=timed_out, truncated=out.dropped > 0,
+        stdout=out.kept[1].decode(errors="replace"), stderr=out.kept[2].decode(errors="replace"),
+        returncode=None if ours else result["rc"], timed_out=timed_out, truncated=out.dropped > 0,
         started=started, ended=ended, killed=ours or result["strays"], dropped=out.dropped,
     )
 

@@ -1,36 +1,40 @@
-"""The zygote: a pre-started interpreter that forks one sandboxed child per call.
+"""The zygote: a pre-started interpreter whose forker starts one sandboxed run per call.
 
 Run by path as `sys.executable -I zygote.py <json>` by `engine.sandbox.client`, with an
 empty environment (plus the child's few variables), `/` as its working directory, its own
 session, and one end of a SOCK_SEQPACKET socket pair as its only link to the engine. It
-imports `child.py` and `confine.py` (Landlock and seccomp: it decides each ruleset and builds
-each BPF program once, every child installs them last), preloads some modules, checks that it
-is single-threaded, says "ready", then serves: `run` (fork a child that becomes the sandbox and runs the code
-without exec: it costs a fork, not an interpreter start; the read-only view of the host
-comes from a template mount namespace built once, see `child.build_template`), `kill`
-(SIGKILL a run's process group), and, after a run that may have left something, a forked cleanup helper
-(`child.clean_uid`). It reaps its own children (and, as a child subreaper, the runs'
-orphans), and signals a run only until it reaped it, so a pid it signals is never recycled. When the engine's end of the socket
-closes, it kills every run, cleans up, and exits.
+imports `child.py`, `confine.py` (Landlock and seccomp) and `forker.py`, preloads some
+modules, checks that it is single-threaded, forks the forker, says "ready", then serves.
 
-Why what a child inherits from this warm parent is safe:
-* It was started by exec with a fresh environment, never forked from the engine, so it
-  holds nothing of the engine's: no environment (API keys), no engine memory, no open
-  files but its socket. Its memory holds the modules it preloaded and the small JSON
-  requests of earlier runs (uids, paths, limits: nothing secret); the code of a run and
-  its stdio travel as file descriptors straight to that run's child and are never read
-  here.
-* The child closes every descriptor but its three stdio pipes (and the code memfd,
-  read first) before anything else: it cannot talk to the zygote or reach another run.
-* It is single-threaded (checked after preloading), so the fork copies no lock held by
-  another thread.
-* Shared by all children: the hash seed and the address layout of what was preloaded
-  (the engine restarts the zygote every `client.RESTART_AFTER` runs), and `random`'s
-  state, which Python reseeds in every forked child.
+Two processes, so that no run forks from a process that held another run's records:
+* the zygote keeps the records (each run's settings, its setup pipe, the uid lease it holds until
+  cleanup ends), answers the engine, builds the template mount namespace once
+  (`child.build_template`, kept alive by a holder process), and after each run that may have left
+  something forks a cleanup helper (`child.clean_uid`, `child.clean_group`);
+* the forker (`forker.py`), forked before the first request, receives per call only a counter, four
+  flags and one end of a socket pair holding the run's settings, forks the run (which reads them),
+  and is its parent: it kills it on request, reaps it and its orphans, reports its exit, and when
+  the zygote dies kills every run and removes their work dirs.
+The code of a run and its stdio travel as file descriptors straight to the run and are never
+read here; its setup reports on a pipe only this process reads.
+
+Why what a run inherits from this warm interpreter is safe:
+* It was started by exec with a fresh environment, never forked from the engine, so it holds
+  nothing of the engine's: no environment (API keys), no engine memory.
+* The run closes every descriptor but its three stdio pipes (and the code memfd, read first)
+  before anything else: it cannot talk to the forker, the zygote or another run.
+* It is single-threaded (checked after preloading), so a fork copies no lock held by another thread.
+* Shared by all runs: the hash seed and the address layout of what was preloaded (the engine
+  restarts the zygote every `client.RESTART_AFTER` runs), and `random`'s state, which Python
+  reseeds in every forked child.
+
+When the engine's end of the socket closes, the zygote kills every run, cleans up after them,
+and exits; the forker exits with it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import selectors
@@ -43,7 +47,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PR_SET_CHILD_SUBREAPER = 36
-MAX_FDS = 5  # stdin, stdout, stderr, code, and the uid lease lock (held until cleaned up)
+SHUTDOWN_S = 30.0  # the most the zygote waits for its runs' cleanups once the engine is gone
 
 
 def _import_here(name: str) -> types.ModuleType:
@@ -58,6 +62,7 @@ def _import_here(name: str) -> types.ModuleType:
 
 child = _import_here("child")
 confine = _import_here("confine")  # Landlock and seccomp, the layers that need no privilege
+forker = _import_here("forker")
 
 
 def send(ctl: socket.socket, message: dict[str, Any]) -> None:
@@ -68,90 +73,39 @@ def send(ctl: socket.socket, message: dict[str, Any]) -> None:
         pass  # the engine is gone; shutdown follows on the next read
 
 
-def run_program(code: bytes, script: str) -> None:  # pragma: no cover - runs in the child
-    """Run `code` as `python -I -B script` would, in this process; never returns."""
-    import atexit
-    import builtins
-    import io
-
-    sys.dont_write_bytecode = True
-    sys.argv = [script]
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
-                                                   encoding="utf-8")
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-                                                   encoding="utf-8", errors="backslashreplace", line_buffering=True)
-    main = types.ModuleType("__main__")
-    main.__dict__.update({"__file__": script, "__builtins__": builtins, "__cached__": None})
-    sys.modules["__main__"] = main
-    rc = 0
-    try:
-        exec(compile(code, script, "exec"), main.__dict__)  # noqa: S102 - this is the sandbox
-    except SystemExit as e:
-        rc = _exit_code(e)
-    except BaseException as e:  # noqa: BLE001 - printed as the interpreter would
-        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # drop this frame
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
-        rc = 1
-    rc = _finish(rc, atexit)
-    os._exit(rc)
-
-
-def _exit_code(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code & 0xFF
-    print(e.code, file=sys.stderr)
-    return 1
-
-
-def _finish(rc: int, atexit: Any) -> int:  # pragma: no cover - runs in the child
-    """What interpreter shutdown would do: join threads, run atexit, flush stdio."""
-    threading = sys.modules.get("threading")
-    try:
-        if threading is not None:
-            threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-    except SystemExit as e:
-        rc = _exit_code(e)
-    except BaseException:  # noqa: BLE001, S110 - an atexit handler failed: python prints nothing more either
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed or broken pipe: nothing left to say
-            rc = rc or 120
-    return rc
+def kind_of(cfg: dict[str, Any]) -> list[bool]:
+    """What the forker needs to know of a run: which layers, a mount namespace, a uid of its own."""
+    return [bool(cfg.get("landlock", True)), bool(cfg.get("seccomp", True)), bool(cfg["mntns"]),
+            cfg["uid"] is not None]
 
 
 class Zygote:
-    """The serving loop: requests from the engine, exits of runs and helpers."""
+    """The serving loop: requests from the engine, reports of the forker, exits of helpers."""
 
-    def __init__(self, ctl: socket.socket, layers: dict[str, Any]) -> None:
-        self.ctl = ctl
+    def __init__(self, ctl: socket.socket, fork_sock: socket.socket, layers: dict[str, Any]) -> None:
+        self.ctl, self.forker = ctl, fork_sock
+        self.layers = layers  # what the kernel offers (confine.kernel_layers)
         self.sel = selectors.DefaultSelector()
-        self.sel.register(ctl, selectors.EVENT_READ, None)
+        self.sel.register(ctl, selectors.EVENT_READ, "engine")
+        self.sel.register(fork_sock, selectors.EVENT_READ, "forker")
         self.runs: dict[int, dict[str, Any]] = {}  # id -> run record
-        self.waiting: dict[int, tuple[int, str]] = {}  # pid -> (run id, "run" | "pre" | "clean")
-        # SIGCHLD wakes the selector. As a child subreaper we inherit every orphan of the runs
-        # (a killed daemon's zombie parent, ...) and reap it at once, so no zombie of a uid
-        # lingers under an init that reaps slowly, counting against the uid's next lessee.
+        self.by_pid: dict[int, int] = {}  # a run's pid (until it exited) -> its id
+        self.waiting: dict[int, tuple[int, str, int | None]] = {}  # helper pid -> (run id, "pre" | "clean", pipe)
+        # SIGCHLD wakes the selector. As a child subreaper we inherit orphans the forker left should
+        # it die, and reap them at once, so no zombie lingers under an init that reaps slowly.
         child.libc().prctl(PR_SET_CHILD_SUBREAPER, 1, "prctl(PR_SET_CHILD_SUBREAPER)")
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
         self.sel.register(self.wake_r, selectors.EVENT_READ, "sigchld")
         self.templates: dict[str, int | None] = {}  # hide + expose -> the template mount namespace
-        self.layers = layers  # what the kernel offers (confine.kernel_layers)
-        self.prepared: dict[str, dict[str, Any]] = {}  # the layers per kind of run, built once
         self.holders: list[int] = []  # the processes keeping the templates alive
 
     def template(self, cfg: dict[str, Any]) -> int | None:
         """A descriptor of the mount namespace runs like `cfg` start from, built on first use
         by a holder process that keeps it alive; None when it cannot be built (each run then
         builds its own from scratch)."""
-        key = json.dumps([cfg["hide"], cfg["expose"]])
+        key = json.dumps([cfg["hide"], cfg["expose"], cfg["accounts"]])
         if key not in self.templates:
             self.templates[key] = self.build_template(cfg)
         return self.templates[key]
@@ -183,144 +137,161 @@ class Zygote:
         return os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 
     def serve(self) -> None:
-        """Serve until the engine closes its end."""
+        """Serve until the engine closes its end (or the forker is gone: nothing could run)."""
         while True:
             for key, _ in self.sel.select():
-                if key.data is None:
+                if key.data == "engine":
                     if not self.on_request():
                         self.shutdown()
+                        return
+                elif key.data == "forker":
+                    if not self.on_forker():
+                        self.shutdown(forker_gone=True)
                         return
                 else:
                     self.reap()
 
     def reap(self) -> None:
-        """Reap every exited child; runs and helpers move on, orphans are just gone."""
-        try:
-            while os.read(self.wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        """Reap every exited child; helpers move their runs on, orphans are just gone."""
+        for pid, rc in child.reaped(self.wake_r):
             if pid in self.waiting:
-                self.on_exit(pid, os.waitstatus_to_exitcode(status))
+                self.helped(pid, rc)
 
     def on_request(self) -> bool:
         try:
-            data, anc, _, _ = self.ctl.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS * 4))
+            data, fds = forker.recv_fds(self.ctl)
         except InterruptedError:
             return True
         if not data:
             return False
-        fds: list[int] = []
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds += list(memoryview(payload).cast("i"))
         msg = json.loads(data)
         if msg["op"] == "run":
             # The lease lock (a dup of the engine's flocked descriptor) is held until the run is
-            # cleaned up, so a uid is never leased again while we may still kill(-1) as it,
+            # cleaned up, so a uid is never leased again while something of its run may be left,
             # even when the engine died first.
-            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds[:4], "hold": fds[4:], "killed": False,
-                   "pid": None, "strays": False, "rc": None, "t": [time.monotonic()]}
+            run = {"id": msg["id"], "cfg": msg["cfg"], "fds": fds[:4], "hold": fds[4] if len(fds) > 4 else None,
+                   "killed": False, "pid": None, "pgid": None, "status": None, "strays": False, "rc": None,
+                   "t": [time.monotonic()]}
             self.runs[msg["id"]] = run
             if msg["cfg"].get("dirty"):  # a lease a crashed engine left: clean before use
                 self.start_clean(run, first=True)
             else:
                 self.start_run(run)
-        elif msg["op"] == "kill":
-            run = self.runs.get(msg["id"])
-            if run is not None:
-                run["killed"] = True
-                if run["pid"] is not None:
-                    self.killpg(run["pid"])  # not reaped yet: the pid is still this run's
-        for fd in fds if msg["op"] != "run" else ():
+            return True
+        for fd in fds:
             os.close(fd)
+        run = self.runs.get(msg["id"])
+        if msg["op"] == "kill" and run is not None:
+            run["killed"] = True
+            if run["pid"] is not None:
+                self.tell_forker({"op": "kill", "pid": run["pid"]})
         return True
 
-    def watch(self, pid: int, run_id: int, what: str) -> None:
-        self.waiting[pid] = (run_id, what)
+    def tell_forker(self, message: dict[str, Any], fds: list[int] | None = None) -> bool:
+        try:
+            forker.send_fds(self.forker, message, fds or [])
+            return True
+        except OSError:
+            return False
 
     def start_run(self, run: dict[str, Any]) -> None:
+        """Write the run's settings and descriptors into a fresh socket and hand the other end to the forker."""
         if run["killed"]:
             self.finish(run, -signal.SIGKILL, False)
             return
-        template = self.template(run["cfg"]) if run["cfg"]["mntns"] else None
-        if template is not None:
-            run["cfg"] = dict(run["cfg"], template=template)
         cfg = run["cfg"]
-        key = json.dumps([cfg.get(k) for k in ("landlock", "seccomp", "mntns")] + [cfg["uid"] is None])
-        if key not in self.prepared:  # the BPF program and the Landlock rights: once, not per run
-            self.prepared[key] = confine.prepare(cfg, self.layers)
-        run["layers"] = self.prepared[key]
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            self.become_run(run)
-        self.close_fds(run)
-        run["pid"] = pid
-        self.watch(pid, run["id"], "run")
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        run["status"] = status_r
+        names, sent = ["stdin", "stdout", "stderr", "code", "status"], [*run["fds"], status_w]
+        template = self.template(cfg) if cfg["mntns"] else None
+        if template is not None:
+            names.append("template")
+            sent.append(template)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            forker.send_fds(ours, {"cfg": dict(cfg, fds=names)}, sent)
+            sent_ok = self.tell_forker({"op": "run", "id": run["id"], "kind": kind_of(cfg)}, [theirs.fileno()])
+        except OSError:
+            sent_ok = False
+        finally:
+            ours.close()  # what it holds waits in the socket for the run
+            theirs.close()
+            os.close(status_w)
+            self.close_fds(run)
+        if not sent_ok:
+            self.finish(run, None, False, "the sandbox's forker is gone")
 
     def close_fds(self, run: dict[str, Any]) -> None:
         for fd in run["fds"]:
             os.close(fd)
         run["fds"] = []
 
-    def become_run(self, run: dict[str, Any]) -> None:  # pragma: no cover - the child
-        cfg = run["cfg"]
+    def on_forker(self) -> bool:
         try:
-            stdin, stdout, stderr, code_fd = run["fds"]
-            for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
-                os.dup2(fd, target)
-            with os.fdopen(code_fd, "rb") as f:
-                code = f.read()
-            signal.set_wakeup_fd(-1)  # else a signal would write into whatever file gets its number
-            self.ctl.detach()  # closed just below: the object must not close a reused number
-            keep = cfg.get("template")  # a mount namespace: enter() joins it, then closes it
-            os.closerange(3, keep if keep is not None else 1 << 20)  # only stdio remains: no way back
-            if keep is not None:
-                os.closerange(keep + 1, 1 << 20)
-            held: list[tuple[int, int, str]] = []
-            child.enter(cfg, sys.path, lambda: held.extend(confine.hold(run["layers"])))
-            script = os.path.join(cfg["workdir"], "main.py")
-            if not cfg["probe"]:
-                with open(script, "wb") as f:  # tracebacks show its lines, as for any script
-                    f.write(code)
-            os.environ.clear()
-            os.environ.update(cfg["env"])
-            child.set_limits(cfg)
-            confine.apply(run["layers"], held, cfg["workdir"])  # last: Landlock, then seccomp
-            if cfg["probe"]:
-                os._exit(0)
-        except BaseException as e:  # noqa: BLE001 - whatever failed, the engine must hear of it
-            os.write(2, f"{cfg['nonce']} {type(e).__name__}: {e}\n".encode())
-            os._exit(child.SETUP_FAILED)
-        run_program(code, script)
+            data = self.forker.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            return False
+        msg = json.loads(data)
+        if msg["event"] == "started":
+            run = self.runs.get(msg["id"])
+            if run is not None:
+                run["pid"], run["pgid"] = msg["pid"], msg["pid"]  # the run calls setsid: its pid is its group
+                run["t"].append(time.monotonic())
+                self.by_pid[msg["pid"]] = run["id"]
+                if run["killed"]:
+                    self.tell_forker({"op": "kill", "pid": msg["pid"]})
+        elif msg["event"] == "exited":
+            run_id = self.by_pid.pop(msg["pid"], None)
+            if run_id is not None:
+                self.on_exit(self.runs[run_id], msg["rc"])
+        return True
+
+    def on_exit(self, run: dict[str, Any], rc: int) -> None:
+        run["t"].append(time.monotonic())
+        run["rc"], run["pid"] = rc, None  # reaped: its pid may be anyone's now, never signal it again
+        if run["cfg"]["uid"] is None:  # reaped: a group member left keeps the pgid taken
+            run["strays"] = self.killpg(run["pgid"])
+        self.start_clean(run)
+
+    def setup_error(self, run: dict[str, Any]) -> str | None:
+        """What the run's setup said on its pipe: None once it got to the model's code, else why not."""
+        fd, run["status"] = run["status"], None
+        if fd is None:
+            return None
+        try:
+            said = os.read(fd, forker.STATUS_LIMIT)
+        except OSError:
+            said = b""
+        finally:
+            os.close(fd)
+        if said == b"ok":
+            return None
+        if not said:  # not a word: killed before it was ready (by us, or it died: say which)
+            return None if run["killed"] else f"the sandbox's run died while it was set up (exit {run['rc']})"
+        return said.decode(errors="replace")
 
     def needs_clean(self, run: dict[str, Any]) -> bool:
         """Whether the run may have left anything: processes, keys, shared IPC objects, files."""
         cfg = run["cfg"]
-        if cfg["uid"] is None:
-            return True  # its process group may be dying still, its working directory on the host
+        if cfg["uid"] is None:  # its process group may be dying still, its working directory on the host
+            return run["strays"] or not cfg["mntns"] and not self.remove_plain_workdir(cfg["workdir"], os.getuid())
         if not cfg["cgroups"] or child.cgroups_busy(cfg["cgroups"]) or child.key_state(cfg["uid"]) != "":
             return True
         if cfg["mntns"] and cfg["ipcns"]:
             return False
-        layers = run.get("layers") or {}
-        if not (layers.get("abi") and layers.get("bpf") is not None):
+        if not (cfg.get("landlock", True) and cfg.get("seccomp", True) and self.layers["landlock"]
+                and self.layers["seccomp"]):
             return True  # SysV objects or files in shared directories may be left
-        # seccomp refused SysV and keys, Landlock every write outside the work dir, and no process
-        # of the uid is left: only the work dir on the host remains, when there is no mount namespace.
+        # seccomp refused SysV, queues and keys, Landlock every write outside the work dir, and no
+        # process of the uid is left: only the work dir on the host remains, without a mount namespace.
         return not cfg["mntns"] and not self.remove_plain_workdir(cfg["workdir"], cfg["uid"])
 
     @staticmethod
     def remove_plain_workdir(workdir: str, uid: int) -> bool:
         """Remove a work dir holding nothing but the program (the common case), without a
-        fork; False when it holds more (the cleanup helper removes it as the uid)."""
+        fork; False when it holds more (the cleanup helper removes it)."""
         try:
             st = os.lstat(workdir)
             names = os.listdir(workdir)
@@ -338,70 +309,123 @@ class Zygote:
         cfg = run["cfg"]
         uid, workdir = cfg["uid"], None if cfg["mntns"] else cfg["workdir"]
         if not first and not self.needs_clean(run):
-            self.finish(run, run["rc"], False)
+            self.finish(run, run["rc"], run["strays"])
             return
+        said_r, said_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the helper
-            code = 1
+            code = child.CLEAN_LEFT
             try:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 self.ctl.detach()
-                os.closerange(3, 1 << 20)
+                self.forker.detach()
                 if uid is None:
-                    code = child.clean_group(run.get("pgid"), workdir)
+                    code, problem = child.clean_group(run["pgid"], workdir)
                 else:
                     # A crashed engine's run (first) may have used any mode: clean everything.
-                    code = child.clean_uid(uid, workdir, first or not cfg["ipcns"], first or not cfg["mntns"])
+                    code, problem = child.clean_uid(uid, workdir, first or not cfg["ipcns"], first or not cfg["mntns"])
+                os.write(said_w, problem.encode()[:forker.STATUS_LIMIT])
+            except BaseException as e:  # noqa: BLE001 - reported as what is left
+                os.write(said_w, f"the cleanup helper failed: {type(e).__name__}: {e}".encode()[:forker.STATUS_LIMIT])
             finally:
                 os._exit(code)
-        self.watch(pid, run["id"], "pre" if first else "clean")
+        os.close(said_w)
+        self.waiting[pid] = (run["id"], "pre" if first else "clean", said_r)
 
-    def on_exit(self, pid: int, rc: int) -> None:
-        run_id, what = self.waiting.pop(pid)
+    def helped(self, pid: int, rc: int) -> None:
+        run_id, what, said_r = self.waiting.pop(pid)
+        with os.fdopen(said_r, "rb") as f:
+            problem = f.read().decode(errors="replace")
+        if rc not in (0, child.CLEAN_STRAYS):
+            problem = problem or f"the cleanup helper exited {rc}"
         run = self.runs[run_id]
-        if what == "run":
-            run["t"].append(time.monotonic())
-            run["rc"], run["pid"] = rc, None  # reaped: its pid may be anyone's now, never signal it again
-            strays = False
-            if run["cfg"]["uid"] is None:  # reaped: a group member left keeps the pgid taken
-                strays = self.killpg(pid)
-            run["strays"], run["pgid"] = strays, pid
-            self.start_clean(run)
-        elif what == "pre":
-            self.start_run(run)
-        else:
-            self.finish(run, run["rc"], run["strays"] or rc == child.CLEAN_STRAYS,
-                        None if rc in (0, child.CLEAN_STRAYS) else f"the cleanup helper exited {rc}")
-
-    def finish(self, run: dict[str, Any], rc: int | None, strays: bool, error: str | None = None) -> None:
-        self.close_fds(run)
-        for fd in run["hold"]:
-            os.close(fd)
-        self.runs.pop(run["id"], None)
-        run["t"].append(time.monotonic())  # received, run exited, cleaned up (CLOCK_MONOTONIC)
-        send(self.ctl, {"id": run["id"], "event": "done", "rc": rc, "strays": strays, "error": error, "t": run["t"]})
+        if what == "pre":
+            if problem:  # the leftovers of a crashed engine's run stay: never use this uid again
+                self.mark(run, problem)
+                self.finish(run, None, True, quarantine=problem, retry=True)
+            else:
+                self.start_run(run)
+            return
+        self.finish(run, run["rc"], run["strays"] or rc == child.CLEAN_STRAYS or bool(problem), quarantine=problem)
 
     @staticmethod
-    def killpg(pid: int) -> bool:
+    def mark(run: dict[str, Any], problem: str) -> None:
+        """The uid's lease file: empty once nothing of the run is left, else quarantined with the reason."""
+        if run["hold"] is None:
+            return
         try:
-            os.killpg(pid, signal.SIGKILL)
+            if problem:
+                os.pwrite(run["hold"], b"Q " + problem.encode()[:forker.STATUS_LIMIT], 0)
+            else:
+                os.ftruncate(run["hold"], 0)
+        except OSError:
+            pass  # stays marked dirty: the next lessee cleans first
+
+    def finish(self, run: dict[str, Any], rc: int | None, strays: bool, error: str | None = None,
+               quarantine: str = "", retry: bool = False) -> None:
+        error = error or run.get("error") or self.setup_error(run)
+        if not retry:
+            self.mark(run, quarantine)
+        self.close_fds(run)
+        if run["hold"] is not None:
+            os.close(run["hold"])
+        self.runs.pop(run["id"], None)
+        run["t"].append(time.monotonic())  # received, started, exited, cleaned up (CLOCK_MONOTONIC)
+        send(self.ctl, {"id": run["id"], "event": "done", "rc": rc, "strays": strays, "error": error,
+                        "quarantine": quarantine or None, "retry": retry, "t": run["t"]})
+
+    @staticmethod
+    def killpg(pgid: int | None) -> bool:
+        if pgid is None:
+            return False
+        try:
+            os.killpg(pgid, signal.SIGKILL)
             return True
         except OSError:
             return False
 
-    def shutdown(self) -> None:
-        """The engine is gone: kill every run, clean up after it, exit."""
+    def cleaning(self) -> set[int]:
+        """Runs a helper is cleaning up after (or before) now."""
+        return {run_id for run_id, _, _ in self.waiting.values()}
+
+    def shutdown(self, forker_gone: bool = False) -> None:
+        """The engine (or the forker) is gone: kill every run, clean up after it, exit."""
         for run in list(self.runs.values()):
-            if run["pid"] is not None:
-                self.killpg(run["pid"])
-        while self.waiting:
-            for key, _ in self.sel.select(timeout=10):
-                if key.data is not None:
+            run["killed"] = True
+            if run["pid"] is None:
+                continue
+            if forker_gone:  # it died with the forker (PR_SET_PDEATHSIG): clean up after it
+                self.by_pid.pop(run["pid"], None)
+                run.update(pid=None, strays=True, error="the sandbox's forker died during the run")
+                self.start_clean(run)
+            else:
+                self.tell_forker({"op": "kill", "pid": run["pid"]})
+        deadline = time.monotonic() + SHUTDOWN_S
+        self.sel.unregister(self.ctl)
+        try:  # no new run: the engine's next one fails at once and goes to a new zygote
+            self.ctl.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+        if forker_gone:
+            self.sel.unregister(self.forker)
+        while self.runs and time.monotonic() < deadline:
+            if forker_gone:  # a run not started (nor being cleaned) never will be
+                for run in [r for r in self.runs.values() if r["id"] not in self.cleaning()]:
+                    self.finish(run, None, False, "the sandbox's forker is gone")
+            for key, _ in self.sel.select(timeout=1):
+                if key.data == "sigchld":
                     self.reap()
+                elif key.data == "forker" and not self.on_forker():
+                    self.sel.unregister(self.forker)
+                    forker_gone = True
+        self.forker.close()  # the forker kills whatever is left and exits
         for pid in self.holders:
-            self.killpg(pid) or os.kill(pid, signal.SIGKILL)
-        self.reap()  # the zombies of what the helpers killed: not left to init
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.reap()  # the zombies of what was killed: not left to init
 
 
 MP_REFUSED = ("multiprocessing is not available in this sandbox: its locks need /dev/shm, which a run may not "
@@ -440,8 +464,26 @@ class _ClearMultiprocessingError:
         return spec
 
 
+def sqlite_without_file_locks() -> bool:
+    """Make SQLite's default VFS the one that locks with lock files beside the database instead
+    of fcntl locks, which the seccomp filter refuses (a lock on a file every run can open is a
+    signal between runs). Through SQLite's public C API on the library `_sqlite3` links; False
+    where that library cannot be reached (sqlite3 then reports the refused lock)."""
+    try:
+        import _sqlite3
+
+        lib = ctypes.CDLL(_sqlite3.__file__)
+        lib.sqlite3_vfs_find.restype = ctypes.c_void_p
+        lib.sqlite3_vfs_find.argtypes = [ctypes.c_char_p]
+        lib.sqlite3_vfs_register.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        vfs = lib.sqlite3_vfs_find(b"unix-dotfile")
+        return bool(vfs) and lib.sqlite3_vfs_register(vfs, 1) == 0
+    except (ImportError, OSError, AttributeError):
+        return False
+
+
 def main() -> None:
-    """Start-up: preload, check, say ready, serve."""
+    """Start-up: preload, check, fork the forker, say ready, serve."""
     start = json.loads(sys.argv[1])
     sys.dont_write_bytecode = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when we stop, by closing the socket
@@ -454,14 +496,23 @@ def main() -> None:
             preloaded.append(name)
         except Exception:  # noqa: BLE001 - a missing optional module only costs its import later
             failed.append(name)
+    sqlite = sqlite_without_file_locks()
     layers = confine.kernel_layers()
     sys.meta_path.insert(0, _ClearMultiprocessingError())
     threads = len(os.listdir("/proc/self/task"))
-    send(ctl, {"event": "ready", "pid": os.getpid(), "threads": threads, "preloaded": preloaded, "failed": failed,
-               "layers": layers})
+    ready = {"event": "ready", "pid": os.getpid(), "threads": threads, "preloaded": preloaded, "failed": failed,
+             "layers": layers, "sqlite_lock_files": sqlite}
     if threads != 1:
+        send(ctl, ready)
         return  # forking a threaded process could copy a held lock: the engine reports it
-    Zygote(ctl, layers).serve()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if os.fork() == 0:  # the forker: a copy taken before any request, so it holds no run's record
+        ctl.close()
+        ours.close()
+        forker.Forker(theirs, layers).serve()
+    theirs.close()
+    send(ctl, ready)
+    Zygote(ctl, ours, layers).serve()
 
 
 if __name__ == "__main__":

@@ -8,47 +8,69 @@ encoded and one reply read whole: this writes one buffer and frames the reply wi
 `bytes` methods. The bench's figure 1 measures what that costs against general clients, and
 docs/http.md why h11 does not do the framing here.
 
-What it does not do, on purpose: redirects (the client is told not to follow them), compression
-(a compressed reply is refused: none is asked for, and inflating one would slip past the size
-cap), proxies, cookies, HTTP/2, `Expect: 100-continue`. What it bounds, because the server may
-be hostile: the header block (`MAX_HEAD` bytes), every chunk-size line, the interim replies, the
-body (`max_body`, `ReplyTooLarge` past it), and the whole exchange, connect to last byte.
+What it does not do, on purpose: redirects (the client is told not to follow them), proxies,
+cookies, HTTP/2, `Expect: 100-continue`, transfer codings other than chunked. What it bounds,
+because the server may be hostile: the header block (`MAX_HEAD` bytes), every chunk-size line,
+the interim replies, the body (`max_body`, `ReplyTooLarge` past it; a gzip or deflate body, which
+nobody asked for, is inflated only as far as `max_body`), and the whole exchange, connect to last
+byte. The reply is read whole before it is handed up: `httpx.Response.aiter_bytes()` then yields it.
 
 A request is written at most once. A kept-alive connection found closed before the write is
 dropped and another one taken: nothing was sent on it. Once the bytes are written, any failure
 (the connection dropped, a malformed reply, the time bound) is raised to the caller, whose retry
 policy counts it: the server may have worked on the request, so sending it again is a decision,
 never a reflex. Malformed replies raise `httpx.RemoteProtocolError`, lost connections
-`httpx.ReadError`, refused connects `httpx.ConnectError`.
+`httpx.ReadError`, refused connects `httpx.ConnectError`. A reply the engine does not take and would
+get again if it asked again (too large, a transfer or content coding it does not read, line ends
+that are not CRLF) raises `ReplyRefused`, a `RemoteProtocolError` the retry policy does not retry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import select
 import ssl
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 
+from engine.settings import EngineConfig
+from engine.settings.declare import default_of
+
+REPLY_BYTES = default_of(EngineConfig, "max_reply_bytes")  # the cap of a transport not told another
 MAX_HEAD = 64 * 1024  # bytes of status line and headers; SGLang sends a few hundred
 MAX_CHUNK_LINE = 1024  # bytes of one chunk-size line (hex size and extensions)
 IDLE_SECONDS = 4.0  # an idle connection older than this is closed, not reused: uvicorn drops them at 5 s
 MAX_INTERIM = 8  # 1xx replies accepted before the real one
 LIMIT = "engine.limit"  # request extension: seconds for the whole exchange, connect to last byte
 FRAMING = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})  # written by the transport
+INFLATED = frozenset({b"gzip", b"x-gzip", b"deflate"})  # content codings read (zlib); any other is refused
+BARE_LINE_END = "reply head has a line ending in a bare LF or CR, not CRLF"
 
 # A request body made when it is written: nothing need hold a large body while its reply is awaited.
 BodySource = Callable[[], bytes]
 
 
-class ReplyTooLarge(Exception):
-    """A reply declared or sent more bytes than `engine_max_reply_bytes`; it was not read further."""
+class ReplyRefused(httpx.RemoteProtocolError):
+    """A reply the engine does not take, and would get again if it asked again: never retried.
 
-    def __init__(self, status: int, limit: int, declared: int | None = None) -> None:
-        size = f"declared {declared} bytes" if declared is not None else f"ran past {limit} bytes"
-        super().__init__(f"HTTP {status} reply {size}, over engine_max_reply_bytes={limit}")
+    `status` is the reply's HTTP status when its status line was read, else None.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
         self.status = status
+
+
+class ReplyTooLarge(ReplyRefused):
+    """A reply declared, sent or inflated to more bytes than `engine_max_reply_bytes`; it was not read further."""
+
+    def __init__(self, status: int, limit: int, declared: int | None = None, *, inflated: bool = False) -> None:
+        size = (f"declared {declared} bytes" if declared is not None
+                else f"inflates past {limit} bytes" if inflated else f"ran past {limit} bytes")
+        super().__init__(f"HTTP {status} reply {size}, over engine_max_reply_bytes={limit}", status)
 
 
 class RequestTimeout(httpx.TimeoutException):
@@ -74,30 +96,37 @@ class BodyStream(httpx.AsyncByteStream, httpx.SyncByteStream):
         yield self.source()
 
 
-class WholeResponse(httpx.Response):
-    """An `httpx.Response` whose body the transport has already read whole.
+class ReplyStream(httpx.AsyncByteStream):
+    """A reply's body, read whole, as the response's stream: one chunk. An iterator, not an async
+    generator, which asyncio registers and finalizes one by one."""
 
-    httpx would copy it once more through its byte-stream iterators (a fair share of the client's
-    CPU per request); the body is handed over as read instead. Its stream holds the same bytes,
-    so a reader that iterates it anyway gets them too.
-    """
+    __slots__ = ("body", "done")
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, reason: bytes) -> None:
-        super().__init__(status, headers=headers, stream=httpx.ByteStream(body),
-                         extensions={"http_version": b"HTTP/1.1", "reason_phrase": reason})
-        self._content = body  # what `read()` would set: `aread()` and `.content` return it
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.done = False
+
+    def __aiter__(self) -> ReplyStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.done:
+            raise StopAsyncIteration
+        self.done = True
+        return self.body
 
 
 class _Reply:
     """One response being read: framing from the head, the body as it comes (one buffer, so a
     server sending a million tiny chunks costs no more memory than one large one)."""
 
-    __slots__ = ("status", "reason", "headers", "length", "chunked", "chunk", "body", "keep_alive")
+    __slots__ = ("status", "reason", "headers", "length", "chunked", "chunk", "body", "keep_alive", "coding")
 
     def __init__(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], length: int | None,
-                 chunked: bool, keep_alive: bool) -> None:
+                 chunked: bool, keep_alive: bool, coding: bytes | None = None) -> None:
         self.status, self.reason, self.headers, self.length, self.chunked = status, reason, headers, length, chunked
         self.keep_alive = keep_alive
+        self.coding = coding  # gzip or deflate: the body is inflated once it is whole
         self.chunk: int | None = None  # chunked: bytes of the chunk being read; None at a size line
         self.body = bytearray()
 
@@ -112,10 +141,12 @@ class Connection(asyncio.Protocol):
     def __init__(self, origin: tuple[str, str, int]) -> None:
         self.origin = origin
         self.transport: asyncio.Transport | None = None
+        self.poll: Callable[[], bool] | None = None  # whether the socket has something to read (idle: EOF)
         self.buffer = bytearray()
+        self.scanned = 0  # bytes of a head still arriving already checked for bare line ends
         self.reply: _Reply | None = None
         self.waiter: asyncio.Future[_Reply] | None = None
-        self.max_body = 1 << 30
+        self.max_body = REPLY_BYTES  # each exchange sets its transport's own cap
         self.closed = False
         self.idle_since = 0.0
         self.answered = False  # a byte of the reply came
@@ -124,6 +155,9 @@ class Connection(asyncio.Protocol):
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.poll = readable(sock.fileno())
 
     def data_received(self, data: bytes) -> None:
         if self.waiter is None or self.waiter.done():  # bytes nobody asked for: the connection is unusable
@@ -161,9 +195,11 @@ class Connection(asyncio.Protocol):
             if end < 0 and len(self.buffer) > MAX_HEAD or end > MAX_HEAD:
                 raise httpx.RemoteProtocolError(f"reply head longer than {MAX_HEAD} bytes")
             if end < 0:
+                self._scan_head()
                 return
             head = bytes(self.buffer[:end])
             del self.buffer[: end + 4]
+            self.scanned = 0
             reply = _parse_head(head, self.max_body)
             if reply.status >= 200:
                 self.reply = reply
@@ -180,6 +216,16 @@ class Connection(asyncio.Protocol):
                 self._complete(reply)
         else:  # until close, capped
             self._take(reply, len(self.buffer))
+
+    def _scan_head(self) -> None:
+        """Refuse a head still arriving whose lines end in a bare LF or CR: it would never show the
+        CRLF CRLF that ends a head, and the request would wait for its whole time bound."""
+        buffer, start = self.buffer, self.scanned
+        end = len(buffer) - 1 if buffer.endswith(b"\r") else len(buffer)  # its LF may be on the way
+        pairs = buffer.count(b"\r\n", start, end)
+        if buffer.count(b"\n", start, end) != pairs or buffer.count(b"\r", start, end) != pairs:
+            raise ReplyRefused(BARE_LINE_END)
+        self.scanned = end
 
     def _take(self, reply: _Reply, n: int) -> None:
         """Move `n` bytes from the buffer to the body, refusing to grow it past `max_body`."""
@@ -253,6 +299,11 @@ class Connection(asyncio.Protocol):
         """Open as far as this side knows: no close, EOF or error has been seen on it."""
         return not self.closed and self.transport is not None and not self.transport.is_closing()
 
+    def alive(self) -> bool:
+        """Usable, and nothing waiting on its socket: an idle connection that has something to read
+        was closed (or written to) by the server, whose FIN the loop has not handed over yet."""
+        return self.usable and not (self.poll is not None and self.poll())
+
     async def exchange(self, pending: list[bytes], max_body: int, deadline: float | None, limit: float | None) -> _Reply:
         """Write one request (taken out of `pending`, so no frame keeps it), wait for its whole
         reply; `RequestTimeout` at `deadline` (loop time).
@@ -264,7 +315,7 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self.max_body = max_body
         self.reply = None
-        self.answered, self.interim = False, 0
+        self.answered, self.interim, self.scanned = False, 0, 0
         self.buffer.clear()
         loop = asyncio.get_running_loop()
         self.waiter = loop.create_future()
@@ -286,9 +337,43 @@ def declared_length(value: str | bytes | None) -> int | None:
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
+def readable(fd: int) -> Callable[[], bool]:
+    """A check, without waiting, of whether `fd` has something to read (data, EOF or an error)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return lambda: bool(poller.poll(0))
+    return lambda: bool(select.select([fd], [], [], 0)[0])  # pragma: no cover - no poll (Windows)
+
+
+def inflate(body: bytes, coding: bytes, max_body: int, status: int) -> bytes:
+    """A gzip or deflate body inflated; `ReplyTooLarge` past `max_body` bytes (nothing more is inflated then)."""
+    if coding == b"deflate":  # zlib's format, as HTTP names it; some servers send the raw stream
+        try:
+            return _inflate(body, 15, max_body, status)
+        except zlib.error:
+            pass
+    try:
+        return _inflate(body, -15 if coding == b"deflate" else 31, max_body, status)
+    except zlib.error as exc:
+        raise ReplyRefused(f"HTTP {status} {coding.decode()} reply does not inflate: {exc}", status) from None
+
+
+def _inflate(body: bytes, wbits: int, max_body: int, status: int) -> bytes:
+    inflater = zlib.decompressobj(wbits)
+    data = inflater.decompress(body, max_body + 1)
+    if len(data) > max_body:
+        raise ReplyTooLarge(status, max_body, inflated=True)
+    if not inflater.eof or inflater.unused_data:
+        raise ReplyRefused(f"HTTP {status} compressed reply is cut short or has bytes past its end", status)
+    return data
+
+
 def _parse_head(head: bytes, max_body: int) -> _Reply:
     """Status line and headers; the body's framing; `ReplyTooLarge` for a declared length past the cap."""
     lines = head.split(b"\r\n")
+    if head.count(b"\n") >= len(lines) or head.count(b"\r") >= len(lines):  # one of each per CRLF, no more
+        raise ReplyRefused(BARE_LINE_END)
     parts = lines[0].split(b" ", 2)
     code = parts[1] if len(parts) > 1 else b""
     if parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or not (len(code) == 3 and code.isdigit() and b"100" <= code <= b"599"):
@@ -297,6 +382,7 @@ def _parse_head(head: bytes, max_body: int) -> _Reply:
     headers: list[tuple[bytes, bytes]] = []
     length_text: bytes | None = None
     codings: bytes | None = None
+    coding: bytes | None = None
     connection = b""
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
@@ -314,15 +400,19 @@ def _parse_head(head: bytes, max_body: int) -> _Reply:
         elif key == b"connection":
             connection += value.lower()
         elif key == b"content-encoding" and value.lower() not in (b"", b"identity"):
-            raise httpx.RemoteProtocolError(f"a compressed reply ({value[:20]!r}) was not asked for")
+            coding = value.lower() if coding is None else coding + b", " + value.lower()
     keep_alive = parts[0] == b"HTTP/1.1" and b"close" not in connection
     reason = parts[2] if len(parts) > 2 else b""
     if status in (204, 304) or status < 200:  # never a body, whatever the headers say
         return _Reply(status, reason, headers, 0, False, keep_alive)
+    if coding is not None and coding not in INFLATED:  # refused before its body is read
+        raise ReplyRefused(f"HTTP {status} reply in Content-Encoding {coding[:40].decode('latin-1')!r}: "
+                           "the engine asks for identity and reads gzip or deflate only", status)
     length, chunked = None, False
     if codings is not None:
-        if codings.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
-            raise httpx.RemoteProtocolError(f"unsupported Transfer-Encoding {codings[:40]!r}")
+        if codings.strip().lower() != b"chunked":  # gzip, chunked and the like: the body would be the coding's bytes
+            raise ReplyRefused(f"HTTP {status} reply in Transfer-Encoding {codings[:40].decode('latin-1')!r}: "
+                               "chunked is the only transfer coding the engine reads", status)
         chunked = True
         if length_text is not None:  # both: chunked frames it, and the connection is not trusted again
             keep_alive = False
@@ -334,7 +424,7 @@ def _parse_head(head: bytes, max_body: int) -> _Reply:
             raise ReplyTooLarge(status, max_body, length)
     else:
         keep_alive = False  # the close delimits the body
-    return _Reply(status, reason, headers, length, chunked, keep_alive)
+    return _Reply(status, reason, headers, length, chunked, keep_alive, coding)
 
 
 class AsyncioTransport(httpx.AsyncBaseTransport):
@@ -346,7 +436,7 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
     byte); without it, the client's read timeout does. The connect timeout bounds the connect.
     """
 
-    def __init__(self, connections: int, tls: ssl.SSLContext | None = None, max_body: int = 1 << 30) -> None:
+    def __init__(self, connections: int, tls: ssl.SSLContext | None = None, max_body: int = REPLY_BYTES) -> None:
         self.connections = connections
         self.tls = tls or ssl.create_default_context()
         self.max_body = max_body  # a reply past it raises ReplyTooLarge: memory is bounded, not only time
@@ -410,7 +500,14 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
             def data() -> bytes:
                 return whole
         reply = await self._send(origin, data, deadline, limit, timeouts.get("connect"))
-        return WholeResponse(reply.status, reply.headers, bytes(reply.body), reply.reason)
+        headers, body = reply.headers, bytes(reply.body)
+        if reply.coding is not None:  # handed up as identity: httpx would inflate it again, without a cap
+            body = inflate(body, reply.coding, self.max_body, reply.status)
+            headers = [(k, v) for k, v in headers if k.lower() not in (b"content-encoding", b"content-length")]
+            if not reply.chunked:  # the length of what is handed up
+                headers.append((b"Content-Length", b"%d" % len(body)))
+        return httpx.Response(reply.status, headers=headers, stream=ReplyStream(body), request=request,
+                              extensions={"http_version": b"HTTP/1.1", "reason_phrase": reply.reason})
 
     async def _connect(self, origin: tuple[str, str, int], deadline: float | None, limit: float | None,
                        connect: float | None) -> Connection:
@@ -435,12 +532,16 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
         return conn
 
     def _checkout(self, origin: tuple[str, str, int]) -> Connection | None:
-        """The warmest idle connection still usable; the ones found closed are dropped (nothing was sent on them)."""
+        """The warmest idle connection still alive; the ones found closed are dropped (nothing was sent on them).
+
+        A server that closes after each reply sends its FIN right behind the reply, and the next
+        request may be taken before the loop has read it: the socket is asked, as httpcore asks it.
+        """
         idle = self._idle.get(origin)
         now = asyncio.get_running_loop().time()
         while idle:
             conn = idle.pop()
-            if conn.usable and now - conn.idle_since < IDLE_SECONDS:
+            if now - conn.idle_since < IDLE_SECONDS and conn.alive():
                 return conn
             conn.close()
         return None

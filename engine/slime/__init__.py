@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import weakref
 from typing import Any
 
-from engine.config import EngineConfig
 from engine.loop.attempts import caller_requeues, run_attempts
 from engine.loop.driver import new_rollout
+from engine.loop.environment import UnknownEnvironment, read_choice
 from engine.loop.preflight import log_tool_problems
 from engine.loop.runtime import Runtime
 from engine.machine.rollout import Rollout
-from engine.profiles.reward import retool_score
+from engine.profiles.reward import RewardRule, retool_score, turn_rewards_by_turn
+from engine.settings import EngineConfig
+from engine.slime import compat
 from engine.slime.dashboard import log_rollout  # noqa: F401  (slime loads it by this path)
 from engine.slime.sample_io import (
     ADAPTER_CRASHED,
@@ -77,6 +78,15 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
     except Exception as exc:  # a sample object whose attributes raise
         return _fanned(rt, _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
                                      _placeholder(rt)))
+    try:
+        choice = read_choice(inp.metadata)
+        environment = rt.environments.chosen(choice)
+    except UnknownEnvironment as exc:  # the dataset names one that is not registered, or names it badly
+        return _fanned(rt, _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt)))
+    except Exception as exc:  # its setup failed (a setting it needs): every sample naming it says so
+        _log_setup_failure(exc)
+        return _fanned(rt, _unrolled(sample, SETUP_FAILED, f"environment {choice.name}: {type(exc).__name__}: {exc}",
+                                     rt.cfg, sampling_params, _placeholder(rt)))
     current: list[Rollout] = []
     try:
         saved = read_checkpoint(sample) if rt.cfg.partial_rollout else None
@@ -92,7 +102,8 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
             # Only the first attempt may resume a checkpoint; a re-run starts from RESET.
             return new_rollout(rt, inp.prompt, inp.sampling_params, saved=saved if number == 1 else None,
                                routing_key=inp.routing_key, tools_requested=inp.tool_names,
-                               tool_schemas=inp.tool_schemas, metadata=inp.metadata)
+                               tool_schemas=inp.tool_schemas, metadata=inp.metadata, environment=environment,
+                               environment_args=dict(choice.args))
 
         outcome = await run_attempts(rt, make, on_start=current.append)
     except asyncio.CancelledError:
@@ -176,8 +187,9 @@ def _unrolled(sample: Any, reason: str, error: str, cfg: EngineConfig | None, sa
 async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: bool = False) -> Any:
     """slime's custom generate function: one sample, multi-turn with tools, returns the sample.
 
-    With `engine_agent` set, the agent it names runs instead of the engine's own loop, and the
-    sample comes back as its segments: the sample, or a list of samples sharing `rollout_id`.
+    Where a rollout may come back as several samples (an agent's session, `engine_agent`; a
+    compaction; a template that drops earlier reasoning; `engine_samples: per_turn`), every sample
+    comes back as a list sharing `rollout_id`, one of one included: the one shape slime flattens.
 
     Never raises into slime's `gather` (only CancelledError passes): every failure is a status
     with its reason in `sample.metadata["fsm"]["termination_reason"]`.
@@ -202,8 +214,8 @@ async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: boo
 
 
 async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
-    """Run the agent `engine_agent` names for one sample: its segments, one sample each (the sample
-    itself, or a list sharing `rollout_id`). Never raises but CancelledError."""
+    """Run the agent `engine_agent` names for one sample: its segments, one sample each, as a list
+    sharing `rollout_id` (one of one included). Never raises but CancelledError."""
     from engine.slime.agent import agent_sample  # the front door loads only when an agent is configured
 
     async with rt.in_flight():
@@ -213,8 +225,8 @@ async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any) -> An
             raise
         except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
             log.exception("engine adapter failed on an agent's sample")
-            return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
-                             _placeholder(rt))
+            return [_unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                              _placeholder(rt))]
 
 
 _setup_errors: set[str] = set()
@@ -230,24 +242,25 @@ def _log_setup_failure(exc: Exception) -> None:
 
 
 async def reward_func(args: Any, sample: Any, **kwargs: Any) -> Any:
-    """retool's reward, plus the per-turn rewards an environment or a tool recorded.
+    """The episode's reward: its per-turn rewards and its answer's, combined by the declared rule.
 
-    Given a list (slime calls a custom reward in batch mode for a fanned-out rollout's samples:
-    `batched_async_rm`), the list of each one's reward.
+    The answer's reward (`answer_score`): retool's check of the boxed answer in the model's own
+    final text against `sample.label`, nudged towards using tools (tool output never counts: a
+    program that prints an answer earns the no-answer reward). It counts for a sample without an
+    environment; with one, the environment judges the episode (a conversation has no boxed answer
+    to check). The per-turn rewards an environment or a tool gave (`turn_rewards`, each with its
+    model turn's token `span` in the response) and that answer make `score`, the scalar slime
+    trains on (`--reward-key score`), by `engine_reward_rule` (sum, discounted, last, weighted;
+    see `engine.profiles.reward.RewardRule`). `acc`: the episode succeeded: the right answer
+    without an environment; with one, what it said when it ended the episode (`Reply.success`),
+    else a positive score. `answer_span` is the last model turn's span, where the answer's
+    reward belongs. Never raises: unusable settings give score 0.0 with the `error`.
 
     A rollout that came back as several samples (slime's fan-out: segments, or one per turn) is
-    scored as a whole from each of them: its last words and all its turn rewards; each sample then
-    gets its `reward_weight` of that (engine_segment_reward), and a turn's own sample where the
-    environment scored turns gets that turn's reward.
-
-    The answer's score: the boxed answer of the model's own final text against `sample.label`,
-    nudged towards using tools (tool output never counts: a program that prints an answer earns
-    the no-answer reward). Per-turn rewards (`metadata["fsm"]["turn_rewards"]`, each with its
-    turn's token span) are summed into `turn_reward`. `score` is then:
-    - with an environment (`engine_environment`): `turn_reward` alone, as the environment judges
-      the episode, and a conversation has no boxed answer to check;
-    - without one: the answer's score plus `turn_reward` (tools' rewards shape it; 0 when none).
-    A trainer that wants the rewards per token reads the spans itself.
+    scored as a whole from each of them: its last words, all its turns and their rewards; each
+    sample then gets its `reward_weight` of that (engine_segment_reward), and a turn's own sample
+    where the environment scored turns gets that turn's reward. Given a list (slime calls a custom
+    reward in batch mode for a fanned-out rollout's samples), the list of each one's reward.
     """
     if isinstance(sample, list):
         return [await reward_func(args, each, **kwargs) for each in sample]
@@ -256,22 +269,47 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> Any:
     text = next((fsm[k] for k in ("rollout_final_text", "final_text") if isinstance(fsm.get(k), str)), None)
     text = _own_text(sample, fsm) if text is None else text
     result = retool_score(text, getattr(sample, "label", None), int(tool_calls) if isinstance(tool_calls, int) else 0)
-    own = fsm.get("turn_rewards") or []
-    rewards = fsm.get("rollout_turn_rewards") or own
-    turn_reward = _summed(rewards)
+    own = fsm.get("turn_rewards") if isinstance(fsm.get("turn_rewards"), list) else []
+    whole = fsm.get("rollout_turn_rewards")
+    recorded = whole if isinstance(whole, list) else own
+    rewards = turn_rewards_by_turn(recorded)
+    environment = fsm.get("environment") if isinstance(fsm.get("environment"), dict) else None
+    turns = fsm.get("rollout_turns")
+    if not isinstance(turns, int) or isinstance(turns, bool):
+        turns = len(fsm["turns"]) if isinstance(fsm.get("turns"), (list, tuple)) else 0
     result["answer_score"] = result["score"]
-    result["turn_reward"] = turn_reward
-    result["score"] = turn_reward if fsm.get("environment") else result["score"] + turn_reward
+    result["turn_reward"] = sum(rewards.values())
+    result["turn_rewards"] = [dict(t) for t in own if isinstance(t, dict)]
+    result["answer_span"] = _last_model_span(fsm)
+    try:
+        rule = reward_rule(args)
+    except Exception as exc:  # settings slime's job cannot use: its samples already say so
+        return {**result, "score": 0.0, "acc": False, "error": f"{type(exc).__name__}: {exc}"}
+    result["rule"] = rule.name
+    result["score"] = rule.score(rewards, turns, None if environment else result["answer_score"])
+    if environment is not None:
+        success = environment.get("success")
+        result["acc"] = success if isinstance(success, bool) else result["score"] > 0
     if (fsm.get("segment") or {}).get("per_turn") and own:  # a turn's own sample: the environment scored it
-        result["score"] = _summed(own)
+        result["score"] = sum(turn_rewards_by_turn(own).values())
     weight = fsm.get("reward_weight")
     if isinstance(weight, (int, float)) and not isinstance(weight, bool):
         result["score"] *= float(weight)
     return result
 
 
-def _summed(rewards: Any) -> float:
-    return sum(float(t["reward"]) for t in rewards if isinstance(t, dict) and isinstance(t.get("reward"), (int, float)))
+def reward_rule(args: Any) -> RewardRule:
+    """The rule `args` declare (`engine_reward_*`)."""
+    cfg = EngineConfig.from_args(args)
+    return RewardRule(cfg.reward_rule, cfg.reward_discount, cfg.reward_turn_weight, cfg.reward_answer_weight)
+
+
+def _last_model_span(fsm: dict[str, Any]) -> list[int] | None:
+    """The last model turn's [start, end) in the response tokens, from the recorded segments."""
+    for seg in reversed(fsm.get("segments") or []):
+        if isinstance(seg, (list, tuple)) and len(seg) >= 3 and seg[0] == "model":
+            return [int(seg[1]), int(seg[2])]
+    return None
 
 
 def _own_text(sample: Any, fsm: dict[str, Any]) -> str:
@@ -283,12 +321,7 @@ def _own_text(sample: Any, fsm: dict[str, Any]) -> str:
 def slime_aborting() -> bool:
     """True while slime's rollout is aborting the step (its `GenerateState` singleton says so).
 
-    A dict lookup when slime is not loaded; handed to the runtime as its abort check.
+    A dict lookup when slime is not loaded; handed to the runtime as its abort check. The one
+    private name of slime it needs is read in `engine.slime.compat`.
     """
-    module = sys.modules.get("slime.rollout.sglang_rollout")
-    if module is None:
-        return False
-    cls = getattr(module, "GenerateState", None)
-    instances = getattr(type(cls), "_instances", None) if cls is not None else None
-    state = instances.get(cls) if isinstance(instances, dict) else None
-    return bool(getattr(state, "aborted", False))
+    return compat.aborting()

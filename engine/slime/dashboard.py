@@ -45,8 +45,9 @@ def engine_metrics(samples: Iterable[Any]) -> dict[str, float]:
     """The engine's figures of one rollout step, each key under `engine/`.
 
     Samples per status and termination reason (counts), attempts, turns and tool calls per
-    sample (mean, max), calls and error rate per tool, the share of rollout time spent in
-    tools, and the samples cut to the budget (trimmed) or handed back untrained (removed).
+    sample (mean, max), calls and error rate per tool, samples per environment, the shares of
+    rollout time spent in tools and in environments, and the samples cut to the budget (trimmed)
+    or handed back untrained (removed).
     """
     samples = list(samples)
     out: dict[str, float] = {"samples": float(len(samples))}
@@ -57,7 +58,8 @@ def engine_metrics(samples: Iterable[Any]) -> dict[str, float]:
     attempts: list[float] = []
     turns: list[float] = []
     tool_calls: list[float] = []
-    tool_time = generation_time = 0.0
+    tool_time = generation_time = environment_time = 0.0
+    environments: Counter[str] = Counter()
     trimmed = removed = 0
     for sample in samples:
         fsm = _fsm(sample)
@@ -83,6 +85,10 @@ def engine_metrics(samples: Iterable[Any]) -> dict[str, float]:
         tool_calls.append(float(made))
         tool_time += _number(fsm.get("tool_time"))
         generation_time += _number(fsm.get("generation_time"))
+        environment_time += _number(fsm.get("environment_time"))
+        env = fsm.get("environment")
+        if isinstance(env, dict) and env.get("name"):
+            environments[str(env["name"])] += 1
         trimmed += reason in TRIM_REASONS
         removed += bool(getattr(sample, "remove_sample", False))
     for name, n in statuses.items():
@@ -95,8 +101,11 @@ def engine_metrics(samples: Iterable[Any]) -> dict[str, float]:
     for tool, n in calls.items():
         out[f"tool/{tool}/calls"] = float(n)
         out[f"tool/{tool}/error_rate"] = errors[tool] / n
-    busy = tool_time + generation_time
+    busy = tool_time + generation_time + environment_time
     out["tool_time_share"] = tool_time / busy if busy > 0 else 0.0
+    out["environment_time_share"] = environment_time / busy if busy > 0 else 0.0
+    for name, n in environments.items():
+        out[f"environment/{name}/samples"] = float(n)
     out["trimmed"] = float(trimmed)
     out["removed"] = float(removed)
     return {PREFIX + key: value for key, value in out.items()}

@@ -199,7 +199,7 @@ def write_sample(
     """
     write_arrays(sample, r, r.traj, r.text, r.record.weight_versions, r.record.call_stats)
     if hasattr(sample, "non_generation_time"):
-        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds
+        sample.non_generation_time = float(sample.non_generation_time or 0.0) + r.record.tools.seconds + r.record.env_seconds
     if r.reason in NOT_TRAINED or exhausted:
         sample.remove_sample = True  # slime keeps it in its group, trains none of it
     set_status(sample, "FAILED" if exhausted else r.state)
@@ -310,9 +310,23 @@ def turn_pieces(r: Rollout, piece: Piece) -> list[Piece]:
 def reward_weights(cfg: Any, count: int) -> list[float]:
     """What each of a rollout's `count` samples gets of its reward: all of it (shared), or the last all
     of it and each earlier one engine_segment_discount times the next's (discounted)."""
-    if getattr(cfg, "segment_reward", "shared") != "discounted":
+    if cfg.segment_reward != "discounted":
         return [1.0] * count
     return [cfg.segment_discount ** (count - 1 - k) for k in range(count)]
+
+
+def weighted_reward(reward: Any, weight: float) -> Any:
+    """A reward given to a whole rollout, as one of its samples' share (`reward_weights`): a number
+    times `weight`; a dict with its `score` (what engine.slime.reward_func's are trained by) times
+    `weight`, the rest as given; anything else as given."""
+    if weight == 1.0:
+        return reward
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+        return reward * weight
+    score = reward.get("score") if isinstance(reward, dict) else None
+    if isinstance(score, (int, float)) and not isinstance(score, bool):
+        return {**reward, "score": score * weight}
+    return reward
 
 
 def write_segments(sample: Any, r: Rollout, decode: Callable[[list[int]], str], *, requeued: bool,
@@ -357,6 +371,7 @@ def write_segments(sample: Any, r: Rollout, decode: Callable[[list[int]], str], 
         meta["breaks"] = [p.reason for p in parts[:-1] if p.reason != "per_turn"]
         if len(parts) > 1:
             meta["rollout_final_text"] = r.final_text
+            meta["rollout_turns"] = len(r.record.turn_log)
             meta["reward_weight"] = weights[k]
         if rewards:
             own = turn_rewards(r.record.turn_log[piece.start.turns:piece.end.turns])
@@ -502,7 +517,9 @@ def rollout_metadata(r: Rollout) -> dict[str, Any]:
         meta["turn_rewards"] = rewards
     env = r.inputs.environment
     if env is not None:
-        meta["environment"] = {"name": getattr(env, "name", type(env).__name__), "reason": record.env_reason}
+        meta["environment"] = {"name": getattr(env, "name", type(env).__name__), "reason": record.env_reason,
+                               "success": record.env_success}
+        meta["environment_time"] = round(record.env_seconds, 6)
     if r.traj.experts is not None:
         meta["routed_experts_rows"] = r.traj.routed_rows  # from the server; the rest are padding
     if r.resume_rejected:

@@ -2,7 +2,9 @@
 
 Write a tool in one file: subclass `Tool` (or decorate an async function with `@tool`),
 `register` it at import, and name the module in `engine_tool_modules`. It gets a state of its
-own in the rollout machine, the diagrams and the edge-coverage test. `engine.tools.registry` holds
+own in the rollout machine, the diagrams and the edge-coverage test. A tool with settings of its
+own declares them with `engine.settings` and names the class as its `Settings`: the engine reads
+them with its own and hands them to the tool's `setup`. `engine.tools.registry` holds
 the rest (argument checking, test helpers); `engine.sandbox` is the isolation the built-ins
 run model-written code in, and no tool author needs to open it.
 

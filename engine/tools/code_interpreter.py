@@ -10,7 +10,8 @@ exit status, so no wrapper code sits between the model's code and the interprete
   `e` being the exception's message and `tb` the traceback. As in retool, stdout is dropped.
 * any other nonzero exit (SyntaxError, sys.exit(n), a signal):
   `"Error: Process exited with code {rc}\\n{stderr}"`; a run the sandbox killed for flooding
-  its output counts as exit -9.
+  its output counts as exit -9; one the seccomp filter killed (a system call of another
+  architecture's table) says so on the line after the code: `"killed by SIGSYS: ..."`.
 * a timeout: `"Error: Code execution timed out after {timeout} seconds"`.
 
 When output was cut, `"\\n...[output truncated: N bytes dropped]"` ends the text. The error
@@ -21,6 +22,7 @@ raises `ToolUnavailable` instead of answering: that is not the model's error to 
 
 from __future__ import annotations
 
+import signal
 from typing import Any, ClassVar
 
 import attrs
@@ -31,6 +33,7 @@ from engine.sandbox.probing import probe
 from engine.sandbox.runner import SandboxError, SandboxLimits, SandboxResult
 
 _TRACEBACK = "Traceback (most recent call last):\n"
+SIGSYS_NOTE = "killed by SIGSYS: a system call the sandbox does not allow (another architecture's table)\n"
 
 
 def _exception_text(stderr: str) -> str | None:
@@ -61,7 +64,8 @@ def format_result(result: SandboxResult, timeout_s: float) -> ToolResult:
         kind = "output_truncated" if result.truncated else None
     else:
         exception = _exception_text(result.stderr) if rc == 1 else None
-        text = exception.strip() if exception else f"Error: Process exited with code {rc}\n{result.stderr}"
+        said = SIGSYS_NOTE if rc == -signal.SIGSYS else ""
+        text = exception.strip() if exception else f"Error: Process exited with code {rc}\n{said}{result.stderr}"
         kind = "crash"
     if result.truncated:
         text += f"\n...[output truncated: {result.dropped} bytes dropped]"

@@ -1,135 +1,96 @@
-"""Tools served by MCP servers, through the official `mcp` SDK (`pip install 'fsm-rollout-engine[mcp]'`).
+"""Tools served by MCP servers, through the official `mcp` SDK (the `mcp` extra: `pip install -e '.[mcp]'` in the checkout).
 
     engine_mcp_servers:
       - python my_server.py --flag      # a command line: the server speaks MCP over its stdin/stdout
       - http://127.0.0.1:8000/mcp       # an http(s) URL: MCP's streamable HTTP transport
+      - name: search                    # or a mapping: a name, a command or url, env or headers
+        command: npx -y search-server
+        env: {API_KEY: "${SEARCH_KEY}"} # taken from the job's environment by name (`mcp_spec`)
 
-At start each server's tools are listed (`register_servers`) and registered under their own
-names, so each gets its state (`TOOL_<NAME>`) like any tool, and the model is offered their
-schemas. A name taken by another tool, or by another server's tool, is one error naming both.
-A tool whose name cannot be a state, or whose input schema is not a JSON object schema, is
-skipped with one warning.
+At start the servers are listed at once (`register_servers`, each within `engine_mcp_list_timeout`)
+and their tools registered under their own names, so each gets its state (`TOOL_<NAME>`) like any tool,
+and the model is offered their schemas. A name taken by another tool, or by another server's
+tool, is one error naming both. A tool whose name cannot be a state, or whose input schema is
+not a JSON object schema, is skipped with one warning.
 
-Calls go through the SDK, bounded by the tool timeout. Each server has one connection per
-event loop, opened at the first call and owned by a task of its own (the SDK's transports are
-anyio task groups, which must be left by the task that entered them). A server that dies or
-hangs answers that call with an error observation; the connection is dropped, and the next
-call starts the server again. `close_connections` ends them (the runtime calls it when it closes).
+Calls go through the SDK (`mcp_connection`): starting the server when none runs and the call
+itself share the tool timeout; a failure costs at most SHUTDOWN_SECONDS more. The server's
+answer is the model's to read, its own error result (`isError`) included. A server that cannot
+answer (it does not start, hangs, dies or breaks the protocol) is not the model's error: the
+sample ends untrained (`ToolUnavailable`: `tool_unavailable`), unless `engine_mcp_failures:
+observation` says coping with a failing server is part of the task. A hung or dead server is
+ended (its whole process group) and started again by the next call. Messages name a server by
+its name, never its command line or URL. `close_connections` ends the servers of a loop (the
+runtime calls it when it closes); an atexit backstop kills any left when a loop never closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
+import copy
 import logging
-import shlex
 import threading
 import weakref
 from typing import Any
 
-from engine.tools.registry import _NAME, Tool, ToolError, ToolResult, call_timeout, get, register, unregister
+from engine.settings import Flag, Kind, setting, settings
+from engine.settings.core import DAY, TOOLS
+from engine.settings.declare import default_of
+from engine.tools.mcp_connection import Connection, Listing, ServerFailure
+from engine.tools.mcp_spec import ServerSpec, parse_servers
+from engine.tools.registry import (
+    _NAME,
+    Tool,
+    ToolError,
+    ToolResult,
+    ToolUnavailable,
+    call_timeout,
+    get,
+    register,
+    unregister,
+)
 
 log = logging.getLogger(__name__)
-CLOSE_SECONDS = 5.0  # how long a closing connection may take before its task is cancelled
-LIST_SECONDS = 60.0  # the least time a server has to start and list its tools at start-up
+
+
+@settings(prefix="engine_mcp_")
+class McpSettings:
+    """MCP servers: whose tools are offered, and what a server that cannot answer means."""
+
+    servers: tuple[Any, ...] = setting(
+        (), kind=Kind("a list of MCP servers, each a command line, an http(s) URL or a mapping (name, command or url, env or "
+                      "headers)", parse_servers, quote=False),  # an env or a header may hold a secret: never quoted
+        flag=Flag("--mcp-server", "CMD_OR_URL", TOOLS, repeatable=True, dest="mcp_servers",
+                  help="offer the tools of this MCP server: a command line (stdio) or an http(s) URL"),
+        help="MCP servers whose tools are offered: each a command line (stdio), an http(s) URL, or a mapping with name, "
+             "command or url, env or headers (values from the job's environment as ${NAME})")
+    list_timeout: float = setting(90.0, low=0, high=DAY, above_low=True,  # room for uvx or npx to fetch a server once
+                                  help="seconds an MCP server has to start and list its tools when the job starts")
+    failures: str = setting("unavailable", choices=("unavailable", "observation"),
+                            help="an MCP server that cannot answer (down, hung, crashed): end the sample untrained "
+                                 "(unavailable: tool_unavailable), or show the model an error (observation: coping is part of the task)")
 
 
 def _sdk() -> Any:
     try:
         import mcp
     except ImportError:
-        raise ValueError("engine_mcp_servers needs the MCP SDK: pip install 'fsm-rollout-engine[mcp]'") from None
+        raise ValueError("engine_mcp_servers needs the MCP SDK: pip install 'mcp>=2,<3' "
+                         "(or, in the engine's checkout, pip install -e '.[mcp]')") from None
     return mcp
 
 
-def describe(spec: str) -> str:
+def describe(name: str) -> str:
     """A server as messages name it."""
-    return f"MCP server {spec!r}"
+    return f"MCP server {name!r}"
 
 
-@contextlib.asynccontextmanager
-async def _open_session(spec: str) -> Any:
-    """An initialized `ClientSession` to the server `spec` (a URL or a command line)."""
-    mcp = _sdk()
-    async with contextlib.AsyncExitStack() as stack:
-        if spec.startswith(("http://", "https://")):
-            from mcp.client.streamable_http import streamable_http_client
-
-            streams = await stack.enter_async_context(streamable_http_client(spec))
-        else:
-            argv = shlex.split(spec)
-            if not argv:
-                raise ValueError("an empty MCP server command line")
-            params = mcp.StdioServerParameters(command=argv[0], args=argv[1:])
-            streams = await stack.enter_async_context(mcp.stdio_client(params))
-        session = await stack.enter_async_context(mcp.ClientSession(streams[0], streams[1]))
-        await session.initialize()
-        yield session
+# Connections per event loop (a session is bound to the loop that opened it), per server.
+_connections: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[ServerSpec, Connection]] = weakref.WeakKeyDictionary()
 
 
-class Connection:
-    """One server's session on one event loop, held open by a task of its own until closed."""
-
-    def __init__(self, spec: str) -> None:
-        self.spec = spec
-        self._session: Any = None
-        self._owner: asyncio.Task[None] | None = None
-        self._stop: asyncio.Event | None = None
-        self._lock = asyncio.Lock()
-
-    async def session(self, timeout: float) -> Any:
-        """The open session, starting the server if none is (within `timeout` seconds)."""
-        async with self._lock:
-            if self._session is not None and self._owner is not None and not self._owner.done():
-                return self._session
-            await self._close_owner()
-            ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._stop = asyncio.Event()
-            self._owner = asyncio.create_task(self._own(ready, self._stop))
-            try:
-                self._session = await asyncio.wait_for(asyncio.shield(ready), timeout)
-            except BaseException:
-                await self._close_owner()
-                raise
-            return self._session
-
-    async def _own(self, ready: asyncio.Future[Any], stop: asyncio.Event) -> None:
-        try:
-            async with _open_session(self.spec) as session:
-                await _prime(session)
-                ready.set_result(session)
-                await stop.wait()
-        except BaseException as exc:  # the server could not start, or died: whoever waits hears it
-            if not ready.done():
-                ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(f"{describe(self.spec)} stopped"))
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-
-    async def reset(self) -> None:
-        """Drop the session (its server is ended); the next call starts it again."""
-        async with self._lock:
-            await self._close_owner()
-
-    async def _close_owner(self) -> None:
-        owner, self._owner, self._session = self._owner, None, None
-        if owner is None:
-            return
-        if self._stop is not None:
-            self._stop.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(owner), CLOSE_SECONDS)
-        except BaseException:  # it would not close in time (or failed): cancel it, which kills the process
-            owner.cancel()
-            with contextlib.suppress(BaseException):
-                await owner
-
-
-# Connections per event loop (sessions are bound to the loop that opened them), per server.
-_connections: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Connection]] = weakref.WeakKeyDictionary()
-
-
-def connection(spec: str) -> Connection:
+def connection(spec: ServerSpec) -> Connection:
     """The running loop's connection to `spec`."""
     per_loop = _connections.setdefault(asyncio.get_running_loop(), {})
     conn = per_loop.get(spec)
@@ -139,10 +100,15 @@ def connection(spec: str) -> Connection:
 
 
 async def close_connections() -> None:
-    """End every MCP server this event loop started (the run is over)."""
+    """End every MCP server this event loop started (the run is over), all at once and bounded.
+
+    Gracefully (stdin closed, then SIGTERM, then SIGKILL); when the task closing them is being
+    cancelled (Ctrl-C), at once.
+    """
     per_loop = _connections.pop(asyncio.get_running_loop(), {})
-    for conn in per_loop.values():
-        await conn.reset()
+    task = asyncio.current_task()
+    at_once = task is not None and task.cancelling() > 0
+    await asyncio.gather(*(conn.close(at_once) for conn in per_loop.values()))
 
 
 def _text(result: Any) -> str:
@@ -159,31 +125,46 @@ def _text(result: Any) -> str:
 
 
 class McpTool(Tool):
-    """A tool one MCP server lists, called through the SDK."""
+    """A tool one MCP server lists, called through the SDK.
 
-    def __init__(self, spec: str, name: str, description: str, parameters: dict[str, Any]) -> None:
+    `server`: how messages name its server; `lenient`: the SDK refused the server's listing (a
+    tool with an invalid schema), so results are not checked against listed output schemas;
+    `timeout`: a call's limit outside the engine's calls (which carry the tool timeout);
+    `failures`: "unavailable" (a failing server ends the sample untrained) or "observation" (None: the default).
+    A runtime calls the copy `setup` makes with its own settings.
+    """
+
+    def __init__(self, spec: ServerSpec, name: str, description: str, parameters: dict[str, Any], *,
+                 server: str, timeout: float, lenient: bool = False, failures: str | None = None) -> None:
         self.spec = spec
         self.name = name  # type: ignore[misc]
         self.description = description  # type: ignore[misc]
         self.parameters = parameters  # type: ignore[misc]
+        self.server = server
+        self.timeout = timeout
+        self.lenient = lenient
+        self.failures = failures or default_of(McpSettings, "failures")
+
+    Settings = McpSettings
+
+    def setup(self, cfg: Any, settings: McpSettings | None = None) -> McpTool:
+        """This tool under one runtime's settings: its tool timeout, and whose a failing server is."""
+        made = copy.copy(self)
+        made.timeout = cfg.tool_timeout
+        made.failures = (settings or McpSettings()).failures
+        return made
 
     async def execute(self, state: Any, **arguments: Any) -> ToolResult:
-        seconds = call_timeout(120.0)
-        conn = connection(self.spec)
+        seconds = call_timeout(self.timeout)
         try:
-            session = await conn.session(seconds)
-            result = await asyncio.wait_for(session.call_tool(self.name, arguments), seconds)
-        except asyncio.TimeoutError:
-            await conn.reset()  # a hung server is ended; the next call starts it again
-            raise ToolError("timeout", f"{self.name} timed out after {seconds:g} seconds") from None
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the server died, refused, or broke the protocol
-            await conn.reset()
-            leaf = _leaf(exc)
-            raise ToolError("server_error", f"{self.name}: {describe(self.spec)} failed: {type(leaf).__name__}: {leaf}") from None
+            result = await connection(self.spec).call(self.name, arguments, seconds, lenient=self.lenient)
+        except ServerFailure as failure:
+            message = f"{describe(self.server)} {failure.reason}"
+            if self.failures == "observation":
+                raise ToolError(failure.kind, f"{self.name}: {message}") from None
+            raise ToolUnavailable(message) from None
         text = _text(result)
-        if getattr(result, "is_error", False) or getattr(result, "isError", False):
+        if getattr(result, "is_error", False):
             return ToolResult(f"Error: {text}", "tool_error")
         return ToolResult(text)
 
@@ -203,122 +184,86 @@ def schema_problem(schema: Any) -> str | None:
     return None
 
 
-async def list_tools(spec: str, timeout: float) -> list[tuple[str, str, Any]]:
-    """(name, description, input schema) of every tool the server lists; raises ValueError if it cannot."""
-    async def listing() -> list[tuple[str, str, Any]]:
-        mcp = _sdk()
-        async with _open_session(spec) as session:
-            found, cursor = [], None
-            while True:
-                params = mcp.types.PaginatedRequestParams(cursor=cursor) if cursor else None
-                page = await _list_page(session, params)
-                tools = page.get("tools")
-                if not isinstance(tools, list):
-                    raise ValueError(f"{describe(spec)} answered tools/list without a list of tools")
-                found += [(t.get("name"), t.get("description") or "", t.get("inputSchema", t.get("input_schema")))
-                          if isinstance(t, dict) else (None, "", None) for t in tools]
-                cursor = page.get("nextCursor")
-                if not cursor:
-                    return found
+async def list_server(spec: ServerSpec, timeout: float) -> Listing:
+    """Start the server, list its tools and end it, within `timeout` seconds (plus its close).
 
-    try:
-        return await asyncio.wait_for(listing(), timeout)
-    except asyncio.TimeoutError:
-        raise ValueError(f"{describe(spec)} did not list its tools within {timeout:g} seconds") from None
-    except ValueError:
-        raise
-    except Exception as exc:
-        leaf = _leaf(exc)
-        raise ValueError(f"{describe(spec)} cannot be reached: {type(leaf).__name__}: {leaf}") from None
-
-
-def _leaf(exc: BaseException) -> BaseException:
-    """The first real error inside the SDK's task-group exception groups."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
-
-
-async def _list_page(session: Any, params: Any) -> dict[str, Any]:
-    """One page of tools/list as plain JSON.
-
-    Through the SDK's `list_tools`; a page it refuses (the SDK validates every tool's schema, so
-    one bad tool fails the page) is asked again as sent, from the SDK's dispatcher, so that only
-    the bad tool is skipped (`_register`) and not the whole server.
+    Raises ValueError naming the server (never its command line, URL or secrets) when it cannot.
     """
-    import pydantic
-
+    _sdk()
+    missing = spec.missing()
+    if missing:
+        raise ValueError(f"{describe(spec.where)}: its env or headers name {', '.join(missing)}, "
+                         "which the job's environment does not set")
+    conn = Connection(spec)
     try:
-        result = await session.list_tools(params=params)
-    except pydantic.ValidationError as refused:
-        raw = getattr(getattr(session, "_dispatcher", None), "send_raw_request", None)
-        if raw is None:
-            raise ValueError(f"a tool it lists has an invalid schema: {refused.errors()[0].get('loc')}") from None
-        page = await raw("tools/list", params.model_dump(by_alias=True, exclude_none=True) if params else None, {})
-        return page if isinstance(page, dict) else {}
-    return result.model_dump(by_alias=True, mode="json", exclude_none=True)
+        return await conn.list_tools(timeout)
+    except ServerFailure as failure:
+        raise ValueError(f"{describe(conn.name)} {failure.reason}") from None
+    except ToolError as refused:  # an error answer to tools/list
+        raise ValueError(f"{describe(conn.name)} refused to list its tools: {refused.message}") from None
+    finally:
+        await conn.close()
 
 
-async def _prime(session: Any) -> None:
-    """List the tools on a new call connection, as the SDK checks each result against its tool's
-    output schema and lists the tools itself otherwise. Where the SDK refuses the listing (a bad
-    tool), the output schemas are recorded from the listing as sent, so calls to good tools work."""
-    import pydantic
-
-    try:
-        await session.list_tools()
-    except pydantic.ValidationError:
-        page = await _list_page(session, None)
-        cache = getattr(session, "_tool_output_schemas", None)
-        if isinstance(cache, dict):
-            for tool in page.get("tools") or []:
-                if isinstance(tool, dict) and isinstance(tool.get("name"), str):
-                    schema = tool.get("outputSchema")
-                    cache[tool["name"]] = schema if isinstance(schema, dict) else None
-
-
-_registered: dict[str, list[str]] = {}  # server -> the tool names registered from it
+_registered: dict[ServerSpec, list[McpTool]] = {}  # server -> the tools registered from it
 _lock = threading.Lock()
 
 
-def register_servers(specs: tuple[str, ...], timeout: float) -> list[str]:
+def register_servers(specs: Any, list_timeout: float, tool_timeout: float) -> list[str]:
     """List each server's tools (once per process) and register them; returns every name registered.
 
-    A server has `timeout` seconds (at least LIST_SECONDS) to start and list its tools.
+    `specs`: `engine_mcp_servers` entries (ServerSpecs, command lines, URLs or mappings). The
+    servers are listed at once, each with `list_timeout` seconds to start and list its tools.
     Blocking: the listing runs on an event loop of its own in a worker thread, so it may be
     called from inside a running loop (the runtime is built there). Raises ValueError for a
     server that cannot be listed and for a name another tool (or server) already has.
     """
     names: list[str] = []
+    servers = parse_servers(specs) if not isinstance(specs, ServerSpec) else (specs,)
     with _lock:
-        for spec in specs:
-            if spec not in _registered:
-                with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                    listed = pool.submit(asyncio.run, list_tools(spec, max(timeout, LIST_SECONDS))).result()
-                _registered[spec] = _register(spec, listed)
-            names += _registered[spec]
+        new = list(dict.fromkeys(s for s in servers if s not in _registered))
+        if new:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                listings = pool.submit(asyncio.run, _list_all(new, list_timeout)).result()
+            for spec in new:  # in the order given, so a clash names the later one
+                if isinstance(listings[spec], BaseException):
+                    raise listings[spec]
+                _registered[spec] = _register(spec, listings[spec], tool_timeout)
+        for spec in servers:
+            names += [t.name for t in _registered[spec]]
     return names
 
 
-def _register(spec: str, listed: list[tuple[str, str, Any]]) -> list[str]:
+async def _list_all(specs: list[ServerSpec], timeout: float) -> dict[ServerSpec, Listing | BaseException]:
+    """Every server listed at once (each within `timeout`): its listing, or why it has none."""
+    done = await asyncio.gather(*(list_server(spec, timeout) for spec in specs), return_exceptions=True)
+    return dict(zip(specs, done))
+
+
+def _register(spec: ServerSpec, listing: Listing, timeout: float) -> list[McpTool]:
+    server = spec.name or listing.server_name or spec.where
     chosen: list[McpTool] = []
-    for name, description, schema in listed:
+    for entry in listing.tools:
+        name = entry.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            log.warning("%s: tool %r skipped: a tool name is lowercase letters, digits and _, starting with a letter", describe(spec), name)
+            log.warning("%s: tool %r skipped: a tool name is lowercase letters, digits and _, starting with a letter",
+                        describe(server), name)
             continue
+        schema = entry.get("inputSchema")
         problem = schema_problem(schema)
         if problem is not None:
-            log.warning("%s: tool %r skipped: %s", describe(spec), name, problem)
+            log.warning("%s: tool %r skipped: %s", describe(server), name, problem)
             continue
         existing = get(name) or next((t for t in chosen if t.name == name), None)
         if existing is not None:
-            owner = describe(existing.spec) if isinstance(existing, McpTool) else f"the tool {_origin(existing)}"
-            raise ValueError(f"tool name clash: {describe(spec)} lists {name!r}, which {owner} already has; "
+            owner = describe(existing.server) if isinstance(existing, McpTool) else f"the tool {_origin(existing)}"
+            raise ValueError(f"tool name clash: {describe(server)} lists {name!r}, which {owner} already has; "
                              "rename one or drop a server from engine_mcp_servers")
-        chosen.append(McpTool(spec, name, description, schema))
+        chosen.append(McpTool(spec, name, entry.get("description") or "", schema, server=server, timeout=timeout,
+                              lenient=listing.lenient))
     for tool in chosen:
         register(tool)
-    return [t.name for t in chosen]
+    return chosen
 
 
 def _origin(tool: Tool) -> str:
@@ -331,8 +276,8 @@ def _origin(tool: Tool) -> str:
 def unregister_servers() -> None:
     """Forget every server's tools (tests undo their registrations with it)."""
     with _lock:
-        for names in _registered.values():
-            for name in names:
-                if isinstance(get(name), McpTool):
-                    unregister(name)
+        for tools in _registered.values():
+            for tool in tools:
+                if get(tool.name) is tool:
+                    unregister(tool.name)
         _registered.clear()

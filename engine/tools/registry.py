@@ -68,11 +68,24 @@ class Tool:
     `parameters` (a JSON schema of the arguments) is derived from `execute`'s type hints
     when not given. `execute` receives the per-trajectory state made by `create`
     (None by default) and the call's arguments as keywords.
+
+    `Settings`, when set, is the tool's own settings class (`engine.settings.settings`, under its
+    own prefix, e.g. `engine_mytool_`): the engine reads it from slime's args, the YAML and `run`'s
+    flags, checks it as it checks its own, and hands the instance to `setup`.
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     parameters: ClassVar[dict[str, Any] | None] = None
+    Settings: ClassVar[type | None] = None
+
+    def setup(self, cfg: Any, settings: Any = None) -> Tool:
+        """The tool one engine runtime calls, by default this one (override to read settings or open clients).
+
+        Called once per runtime with the engine's settings (`cfg`: e.g. `cfg.tool_timeout`) and, for a
+        tool that declares `Settings`, its own; return a tool of the same name and schema.
+        """
+        return self
 
     async def create(self) -> Any:
         """Make the per-trajectory state; called before a trajectory's first call."""
@@ -237,11 +250,28 @@ def register(tool: Tool, *, replace: bool = False) -> Tool:
         raise ValueError(f"tool name must be lowercase letters, digits and _, starting with a letter; got {name!r}")
     for check in _name_checks:
         check(name)
+    _check_async(tool)
     if name in _REGISTRY and not replace and _REGISTRY[name] is not tool:
         raise ValueError(f"a tool named {name!r} is already registered")
     _REGISTRY[name] = tool
     _version += 1
     return tool
+
+
+_ASYNC_METHODS = ("create", "execute", "release")  # the engine awaits each of them
+
+
+def _check_async(tool: Tool) -> None:
+    """Refuse a tool whose `create`, `execute` or `release` is a plain `def`: awaited, it would fail
+    every sample that calls the tool with "object ... can't be used in 'await' expression"."""
+    for method in _ASYNC_METHODS:
+        fn = getattr(tool, method, None)
+        if fn is None:
+            raise TypeError(f"tool {tool.name!r} has no {method}() method")
+        plain = inspect.isfunction(fn) or inspect.ismethod(fn)  # a def of Python's; not a mock or other callable
+        if plain and not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"tool {tool.name!r}: {method}() must be `async def` (the engine awaits it); "
+                            f"it is a plain def in {type(tool).__qualname__}")
 
 
 def unregister(name: str) -> None:

@@ -27,7 +27,7 @@ from engine.trace.drawing import (
     svg_edge_id,
 )
 from engine.trace.paths import Overlay, builtin_spec, flow_overlay, flow_table, spec_for_samples, timeline, trace_overlay
-from engine.trace.samples_file import has_traces, load_samples, metadata, select_sample, status_name
+from engine.trace.samples_file import NotSamples, has_traces, load_samples, metadata, select_sample, status_name
 
 __all__ = [
     "Overlay",
@@ -229,7 +229,9 @@ def _load_traced(path: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file")
     try:
-        samples = load_samples(path)
+        samples = load_samples(path, warn=lambda note: print(f"warning: {note}", file=sys.stderr))
+    except NotSamples as exc:
+        raise ValueError(f"{path}: not a rollout JSONL or a slime dump ({exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a rollout JSONL or a slime dump ({type(exc).__name__}: {exc})") from None
     except Exception as exc:  # torch.load / unpickling of a foreign file: one sentence, no traceback

@@ -183,7 +183,7 @@ def _dot_items(spec: MachineSpec, overlay: Overlay | None, compact: bool) -> _It
     return graph, nodes, edges
 
 
-DIAGRAMS_EXTRA = "pip install 'fsm-rollout-engine[diagrams]'"
+DIAGRAMS_EXTRA = "pip install pygraphviz (or, in the engine's checkout, pip install -e '.[diagrams]')"
 
 
 class SvgUnavailable(ImportError):

@@ -154,7 +154,8 @@ def reason_counts(samples: Iterable[dict[str, Any]]) -> Counter[tuple[str, str]]
 
 
 def flow_overlay(spec: MachineSpec, samples: Sequence[dict[str, Any]], title: str = "") -> Overlay:
-    """A batch: each edge with "n samples, ×times", each terminal with how many ended there."""
+    """A batch: each edge with "n samples, ×times", each terminal with how many ended there, and
+    ENVIRONMENT with the seconds the environments took."""
     t = tally(samples, spec)
     order = {edge_key(e): i for i, e in enumerate(spec.edges)}
     keys = sorted(t.times, key=lambda k: (order.get(k, len(order)), k))
@@ -163,7 +164,25 @@ def flow_overlay(spec: MachineSpec, samples: Sequence[dict[str, Any]], title: st
     for state, n in terminal_counts(samples).items():
         # an agent's segment that a history break closed ends where the break led, not at a terminal
         states[state] = f"{_samples(n)} ended here" if state in TERMINALS else f"{_samples(n)} ended by a break here"
+    seconds, turns = time_in_states(samples)[State.ENVIRONMENT.value]
+    if turns or seconds:  # for user simulators and judges most of the wall time is here
+        states[State.ENVIRONMENT.value] = f"{seconds:.3g} s, {turns} answers"
     return Overlay(edges, states, title)
+
+
+def time_in_states(samples: Sequence[dict[str, Any]]) -> dict[str, tuple[float, int]]:
+    """Seconds a batch spent where it waits, with the turns they were spent on (0: not per turn):
+    GENERATE (the server), TOOL_CALL (the tools, all of them) and ENVIRONMENT (start, answers, end)."""
+    metas = [metadata(s) for s in samples]
+
+    def total(key: str) -> float:
+        return sum(float(m[key]) for m in metas if isinstance(m.get(key), (int, float)))
+
+    answered = sum(1 for m in metas for turn in m.get("turns") or []
+                   if isinstance(turn, dict) and isinstance(turn.get("environment_seconds"), (int, float)))
+    return {State.GENERATE.value: (total("generation_time"), sum(len(m.get("turns") or []) for m in metas)),
+            State.TOOL_CALL.value: (total("tool_time"), 0),
+            State.ENVIRONMENT.value: (total("environment_time"), answered)}
 
 
 def _samples(n: int) -> str:
@@ -202,6 +221,12 @@ def _step_details(step: Step, sample: dict[str, Any], last: bool) -> str:
             parts.append(f"the oldest exchanges dropped{kept}")
     elif step.trigger == Trigger.HARNESS_END:
         parts.append("the harness ended its session")
+    elif step.source == State.ENVIRONMENT and step.trigger == Trigger.ENV_REPLY and turn:
+        parts.append(f"the environment answered in {float(turn.get('environment_seconds') or 0):.3f} s")
+        if turn.get("user_tokens"):
+            parts.append(f"user turn {turn['user_tokens']} tokens")
+        if turn.get("environment_blocked_seconds"):
+            parts.append(f"held the event loop {turn['environment_blocked_seconds']:.2f} s")
     elif step.trigger == "trim" and turn:
         parts.append(f"trimmed {turn.get('trimmed_tokens')} tokens")
     if step.trigger in ("crashed", "cancelled", "request_failed", "request_rejected", "context_rejected") and meta.get("engine_error"):
@@ -238,7 +263,8 @@ def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: 
     head = [
         f"{name}: status {status_name(sample)}, termination reason {meta.get('termination_reason')}",
         f"turns {len(meta.get('turns') or [])}, tool calls {stats.get('calls', 0)}, tool errors {stats.get('errors') or 'none'}, "
-        f"generation {float(meta.get('generation_time') or 0):.3f} s, tools {float(meta.get('tool_time') or 0):.3f} s",
+        f"generation {float(meta.get('generation_time') or 0):.3f} s, tools {float(meta.get('tool_time') or 0):.3f} s"
+        + (f", environment {float(meta.get('environment_time') or 0):.3f} s" if meta.get("environment") else ""),
     ]
     segment = meta.get("segment")
     if isinstance(segment, dict) and segment.get("count", 1) > 1:
@@ -281,6 +307,13 @@ def flow_table(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = Non
     lines += ["", f"{'termination reason':<{w1}}  {'terminal':<{w0}}  samples"]
     for (state, reason), n in sorted(reasons.items(), key=lambda kv: (_rank(spec, kv[0][0]), -kv[1], kv[0][1])):
         lines.append(f"{reason:<{w1}}  {state:<{w0}}  {n:>7}")
+    times = time_in_states(samples)
+    if any(seconds for seconds, _ in times.values()):
+        w2 = max(len("time in"), *(len(state) for state in times))
+        lines += ["", f"{'time in':<{w2}}  {'seconds':>9}  {'turns':>6}  {'per turn':>9}"]
+        for state, (seconds, turns) in times.items():
+            per = f"{seconds / turns:>9.3g}" if turns else ""
+            lines.append(f"{state:<{w2}}  {seconds:>9.3g}  {turns or '':>6}  {per}".rstrip())
     from engine.trace.summary import foreign_answers  # summary imports the turn reader; only needed here
 
     foreign = foreign_answers([metadata(s) for s in samples])

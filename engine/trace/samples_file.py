@@ -11,23 +11,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 # torch.save writes a zip archive since torch 1.6, a bare pickle before.
 _TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
-def load_samples(path: str | Path) -> list[dict[str, Any]]:
-    """Every sample of a rollout JSONL or a `torch.save` dump, as dicts, in file order."""
+class NotSamples(ValueError):
+    """The file is not a rollout JSONL (its message names the line) nor a slime dump."""
+
+
+def load_samples(path: str | Path, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Every sample of a rollout JSONL or a `torch.save` dump, as dicts, in file order.
+
+    A JSONL whose last line is cut off (its writer was stopped mid-line) is read without that
+    line, with one sentence to `warn` (default: the log) naming it; any other line that is not
+    JSON raises `NotSamples` naming it.
+    """
     path = Path(path)
     with path.open("rb") as f:
         head = f.read(4)
     if head.startswith(_TORCH_MAGIC):
         return _from_torch(path)
-    return _from_json(path)
+    return _from_json(path, warn or log.warning)
 
 
 def _from_torch(path: Path) -> list[dict[str, Any]]:
@@ -51,12 +62,31 @@ def _as_json(value: Any) -> Any:
     return value
 
 
-def _from_json(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    try:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError:
-        rows = [json.loads(text)]  # one pretty-printed JSON document instead of JSONL
+def _json_rows(path: Path, text: str, warn: Callable[[str], None]) -> list[Any]:
+    lines = text.splitlines()
+    rows: list[Any] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+            continue
+        except json.JSONDecodeError as exc:
+            bad = f"line {n} is not JSON ({exc.msg}, column {exc.colno})"
+        if not rows:  # one pretty-printed JSON document instead of JSONL?
+            try:
+                return [json.loads(text)]
+            except json.JSONDecodeError:
+                raise NotSamples(bad) from None
+        if any(rest.strip() for rest in lines[n:]):
+            raise NotSamples(bad)
+        warn(f"{path}: line {n}, the last, is cut off (its writer was stopped mid-line): "
+             f"skipped; read the {len(rows)} line(s) before it")
+    return rows
+
+
+def _from_json(path: Path, warn: Callable[[str], None]) -> list[dict[str, Any]]:
+    rows = _json_rows(path, path.read_text(encoding="utf-8"), warn)
     out: list[dict[str, Any]] = []
     for row in rows:
         if isinstance(row, dict) and isinstance(row.get("samples"), list) and "metadata" not in row:

@@ -27,6 +27,7 @@ NOT_FAILURES = PLAN_ERRORS | {"output_truncated"}
 # only calls a tool it is not offered, or only writes calls that cannot be parsed, got nothing.
 NOT_ANSWERED_FAILURES = frozenset({"output_truncated"})
 SHOWN_TEXTS = 5
+ROW = 25  # the figures' names column: the longest, environment_turn_seconds, and a space
 ENGINE_ERROR_CHARS = 120
 
 
@@ -81,9 +82,34 @@ def summarize(samples: list[dict[str, Any]], wall_seconds: float = math.nan, *, 
         "trained_tokens": _stats([sum(s.get("loss_mask") or []) for s in samples]),
         "generation_seconds": _stats([m.get("generation_time", 0.0) for m in metas]),
         "tool_seconds": _stats([m.get("tool_time", 0.0) for m in metas]),
+        # Only samples an environment answered: the others would pull its mean towards 0.
+        "environment_seconds": _stats([m.get("environment_time") or 0.0 for m in metas if m.get("environment")]),
+        "environment_turn_seconds": _stats(environment_turn_seconds(metas)),
+        "environments": Counter(str(m["environment"].get("name")) for m in metas if isinstance(m.get("environment"), dict)),
+        "environment_blocked": _blocked_turns(metas),
         "reward": _stats([float(r) for r in rewards]),
         "wall_seconds": wall_seconds,
     }
+
+
+def environment_turn_seconds(metas: Sequence[dict[str, Any]]) -> list[float]:
+    """How long the environment took to answer, per turn it answered (`turns[i]["environment_seconds"]`)."""
+    return [float(t["environment_seconds"]) for m in metas for t in m.get("turns") or []
+            if isinstance(t, dict) and isinstance(t.get("environment_seconds"), (int, float))]
+
+
+def _blocked_turns(metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Turns whose environment held the event loop (`environment_blocked_seconds`): how many, the longest, by environment."""
+    out: dict[str, Any] = {}
+    for m in metas:
+        env = m.get("environment")
+        for t in m.get("turns") or []:
+            held = t.get("environment_blocked_seconds") if isinstance(t, dict) else None
+            if isinstance(held, (int, float)) and isinstance(env, dict):
+                name = str(env.get("name"))
+                turns, longest = out.get(name, (0, 0.0))
+                out[name] = (turns + 1, max(longest, float(held)))
+    return out
 
 
 def _answered_calls(m: dict[str, Any]) -> int:
@@ -114,13 +140,39 @@ def failed_answers(summary: dict[str, Any]) -> int:
 
 
 def warnings(summary: dict[str, Any]) -> list[str]:
-    """Sentences for the reader: most calls of a tool failed the same way.
+    """Sentences for the reader: an environment held the event loop; most calls of a tool failed the
+    same way (per tool when the turn records say which call got which error; else over all calls);
+    many answers hold another format's tool call (the tool parser does not match the model)."""
+    return _blocking_warnings(summary) + _tool_warnings(summary) + _foreign_warnings(summary)
 
-    Per tool when the turn records say which call got which error; else over all calls.
-    """
+
+def _blocking_warnings(summary: dict[str, Any]) -> list[str]:
+    """Environments whose coroutines held the event loop: every sample of the loop waited."""
+    return [f"environment {name} held the event loop in {n} turns (up to {longest:.2f} s at once): every sample "
+            "waited; await its I/O, or make respond a plain def to run it in a thread"
+            for name, (n, longest) in sorted((summary.get("environment_blocked") or {}).items())]
+
+
+def _foreign_warnings(summary: dict[str, Any]) -> list[str]:
+    """Many answers holding another format's call: the tool parser likely does not match the model."""
+    foreign: Counter[str] = summary.get("foreign_format_answers") or Counter()
+    total, samples = sum(foreign.values()), summary["samples"]
+    if not total or 4 * total < samples:  # a stray one is the model's; a quarter of the samples is the setup
+        return []
+    family = foreign.most_common(1)[0][0]
+    return [f"{total} answer(s) in {samples} samples hold what reads as a {family} tool call, which the configured "
+            f"tool parser does not read: they were taken as answers and no tool ran; if the model writes its "
+            f"calls that way, run with --tool-parser {family} (engine_tool_parser)"]
+
+
+def _tool_warnings(summary: dict[str, Any]) -> list[str]:
     per_tool = summary.get("per_tool") or Counter()
     if per_tool:
         return _per_tool_warnings(summary, per_tool)
+    return _call_warnings(summary)
+
+
+def _call_warnings(summary: dict[str, Any]) -> list[str]:
     calls = int(summary["tool_calls"]["sum"])
     ran = Counter({k: n for k, n in summary["tool_errors"].items() if k not in NOT_ANSWERED_FAILURES})
     out = []
@@ -179,10 +231,15 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     counts("status", summary["status"])
     counts("termination reason", summary["termination_reason"])
-    lines.append(f"{'':<22}{'min':>10}{'mean':>10}{'max':>10}{'total':>12}")
-    for key in ("turns", "tool_calls", "response_tokens", "trained_tokens", "generation_seconds", "tool_seconds", "reward"):
+    lines.append(f"{'':<{ROW}}{'min':>10}{'mean':>10}{'max':>10}{'total':>12}")
+    shown_rows = ["turns", "tool_calls", "response_tokens", "trained_tokens", "generation_seconds", "tool_seconds", "reward"]
+    if summary.get("environments"):  # over the samples an environment answered
+        shown_rows[-1:-1] = ["environment_seconds", "environment_turn_seconds"]
+    for key in shown_rows:
         st = summary[key]
-        lines.append(f"{key:<22}{st['min']:>10.4g}{st['mean']:>10.4g}{st['max']:>10.4g}{st['sum']:>12.6g}")
+        lines.append(f"{key:<{ROW}}{st['min']:>10.4g}{st['mean']:>10.4g}{st['max']:>10.4g}{st['sum']:>12.6g}")
+    if summary.get("environments"):
+        counts("environments", summary["environments"])
     if summary["tool_errors"]:
         counts("tool errors", summary["tool_errors"])
     if summary.get("tool_error_texts"):

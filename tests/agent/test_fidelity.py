@@ -19,11 +19,11 @@ import pytest
 import respx
 
 from engine.agent.sessions import AgentSessions
-from engine.config import EngineConfig, RetryPolicy
 from engine.local.invariants import sample_violations
 from engine.local.sample import Sample
 from engine.loop.runtime import Runtime
 from engine.profiles.tokenizer import load_tokenizer, offline_tokenizer_dir
+from engine.settings import EngineConfig, RetryPolicy
 from engine.slime.sample_io import write_segments
 from tests.support.agents import ScriptedModel, tool_task
 from tests.support.helpers import URL

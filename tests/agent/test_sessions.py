@@ -14,10 +14,10 @@ import respx
 
 from engine.agent.calls import CallRefused, Message, ModelAnswer, ModelCall, Part
 from engine.agent.sessions import AgentSessions
-from engine.config import EngineConfig, RetryPolicy
 from engine.loop.runtime import Runtime
 from engine.machine.rollout import Rollout
 from engine.profiles.tokenizer import load_tokenizer
+from engine.settings import EngineConfig, RetryPolicy
 from tests.conftest import run
 from tests.support.agents import SYSTEM, TOOLS, ScriptedModel, as_message, tool_task
 from tests.support.helpers import URL
@@ -44,8 +44,7 @@ def with_sessions(body: Body, *, model: Callable[[Any], Any] | None = None, step
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=model(scripted) if model else scripted)
             try:
-                return await body(AgentSessions(rt, matcher=kw.get("agent_matcher", "json_calls"),
-                                                models=kw.get("agent_models", ("policy",))), rt, scripted), scripted
+                return await body(AgentSessions(rt), rt, scripted), scripted
             finally:
                 await rt.aclose()
 

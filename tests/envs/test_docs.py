@@ -24,9 +24,12 @@ MODEL_URL = "http://sglang.test:30000/generate"
 
 
 def files_of_the_doc() -> dict[str, str]:
-    """Every code block whose first line is `# <file name>`, by that name."""
-    blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", DOC.read_text(encoding="utf-8"), re.DOTALL)
-    return {m.group(1): body for body in blocks if (m := re.match(r"# ([\w.]+\.(?:py|yaml))\n", body))}
+    """Every code block marked `<!-- file: NAME -->` or whose first line is `# <file name>`, by that name."""
+    text = DOC.read_text(encoding="utf-8")
+    blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", text, re.DOTALL)
+    files = {m.group(1): body for body in blocks if (m := re.match(r"# ([\w.]+\.(?:py|yaml))\n", body))}
+    marked = re.findall(r"<!-- file: ([\w.-]+) -->\n```\w*\n(.*?)```", text, re.DOTALL)
+    return {**dict(marked), **files}
 
 
 @pytest.fixture
@@ -59,14 +62,32 @@ def generate(config: str, script: list, sample: Sample) -> Sample:
 
 def test_the_docs_environment_is_under_60_lines_and_runs_as_written(doc_files: dict[str, str]):
     assert len(doc_files["guess_env.py"].splitlines()) < 60
+    assert yaml.safe_load(doc_files["guess.yaml"])["engine_tools"] == []  # the page's "offering no tools"
+    metadata = {"environment": {"name": "guess_the_number", "args": {"secret": 7}}}
     sample = generate("guess.yaml", [turn("Is it 5?"), turn("Then 8."), turn("It must be 7.")],
-                      Sample(prompt=[{"role": "user", "content": "Guess my number."}], metadata={"secret": 7}))
+                      Sample(prompt=[{"role": "user", "content": "Guess my number."}], metadata=metadata))
     fsm = sample.metadata["fsm"]
     assert (sample.status.name, fsm["termination_reason"]) == ("COMPLETED", "environment_done")
-    assert fsm["environment"] == {"name": "guess_the_number", "reason": "guessed in 3 tries"}
+    assert fsm["environment"] == {"name": "guess_the_number", "reason": "guessed in 3 tries", "success": True}
     assert [t["reward"] for t in fsm["turn_rewards"]] == [-0.1, -0.1, 1.0]
     assert "Higher." in sample.response and "Lower." in sample.response
-    assert sample.reward["score"] == pytest.approx(0.8)
+    assert sample.reward["score"] == pytest.approx(0.8) and sample.reward["acc"] is True
+    prompt = tok().decode(sample.tokens[: len(sample.tokens) - sample.response_length])
+    assert "<tools>" not in prompt  # no tool offered
+
+
+@pytest.mark.slow
+def test_the_docs_input_lines_run_through_run_with_their_replay(doc_files: dict[str, str], tmp_path: Path):
+    """The page's `run` block as `run` reads it: the input's metadata picks each sample's environment."""
+    from engine.cli import main
+
+    code = main(["run", "--config", "guess.yaml", "--input", "guess.jsonl", "--replay", "guess-replay.jsonl",
+                 "--output", "guess-out.jsonl", "--no-progress"])
+    assert code == 0
+    out = [json.loads(line) for line in Path("guess-out.jsonl").read_text().splitlines()]
+    reasons = [s["metadata"]["fsm"]["termination_reason"] for s in out]
+    assert reasons == ["environment_done", "environment_done", "answered"]
+    assert [s["reward"]["score"] for s in out] == pytest.approx([0.8, 0.9, 1.0])
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ import pytest
 import respx
 
 from engine import envs, tools
-from engine.config import EngineConfig, RetryPolicy, SettingsError
+from engine.envs.user_simulator import UserSimulatorSettings
+from engine.settings import EngineConfig, RetryPolicy, SettingsError
 from engine.loop.driver import drive, new_rollout
 from engine.loop.runtime import Runtime
 from engine.local.sample import Sample
@@ -32,15 +33,15 @@ class Guess(envs.Environment):
         self.started: list[Any] = []
         self.ended = 0
 
-    async def start(self, prompt: Any, metadata: Any) -> dict[str, Any]:
-        self.started.append((prompt, dict(metadata)))
-        return {"secret": int(metadata.get("secret", 7)), "tries": 0}
+    async def start(self, task: envs.Task) -> dict[str, Any]:
+        self.started.append((task.prompt, dict(task.metadata)))
+        return {"secret": int(task.args.get("secret", task.metadata.get("secret", 7))), "tries": 0}
 
-    async def respond(self, episode: dict[str, Any], text: str) -> envs.Reply:
+    async def respond(self, episode: dict[str, Any], conversation: envs.Conversation) -> envs.Reply:
         episode["tries"] += 1
-        guess = int("".join(c for c in text if c.isdigit()) or 0)
+        guess = int("".join(c for c in conversation.text if c.isdigit()) or 0)
         if guess == episode["secret"]:
-            return envs.Reply(reward=1.0, done=True, reason=f"guessed in {episode['tries']}")
+            return envs.Reply(reward=1.0, done=True, reason=f"guessed in {episode['tries']}", success=True)
         return envs.Reply("Higher." if guess < episode["secret"] else "Lower.", reward=-0.1)
 
     async def end(self, episode: Any) -> None:
@@ -122,7 +123,7 @@ def test_max_turns_count_the_environments_turns():
 
 def test_a_reply_over_the_context_budget_is_trimmed():
     class Chatty(Guess):
-        async def respond(self, episode: Any, text: str) -> envs.Reply:
+        async def respond(self, episode: Any, conversation: envs.Conversation) -> envs.Reply:
             return envs.Reply("words " * 400, reward=0.5)
 
     prompt_len = len(tok().apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True))
@@ -138,34 +139,44 @@ class Broken(Guess):
         super().__init__()
         self.how = how
 
-    async def respond(self, episode: Any, text: str) -> Any:
+    async def respond(self, episode: Any, conversation: envs.Conversation) -> Any:
         if self.how == "raises":
             raise RuntimeError("the game crashed")
         if self.how == "hangs":
             await asyncio.sleep(3600)
-        if self.how == "start_hangs":
-            raise AssertionError("unreachable")
         return {"text": "not a Reply"} if self.how == "wrong_type" else envs.Reply("x", reward=float("nan"))
 
-    async def start(self, prompt: Any, metadata: Any) -> Any:
+    async def start(self, task: envs.Task) -> Any:
         if self.how == "start_hangs":
             await asyncio.sleep(3600)
-        return await super().start(prompt, metadata)
+        if self.how == "start_raises":
+            raise envs.EnvironmentFailed("no board today")
+        if self.how == "bad_opening":
+            return envs.Opening({}, prompt=[{"content": "no role"}])
+        if self.how == "unrenderable_opening":
+            return envs.Opening({}, prompt=[{"role": "user", "content": {"not": "text"}}, {"role": "nobody"}])
+        return await super().start(task)
 
 
-@pytest.mark.parametrize("how, error", [
-    ("raises", "environment guess_test failed: RuntimeError: the game crashed"),
-    ("wrong_type", "respond must return a Reply or a str, not dict"),
-    ("bad_reward", "Reply.reward must be a finite number"),
-    ("hangs", "environment guess_test did not answer within 0.2 seconds"),
-    ("start_hangs", "environment guess_test did not answer within 0.2 seconds"),
+@pytest.mark.parametrize("how, where, error", [
+    ("raises", "ENVIRONMENT", "environment guess_test failed: RuntimeError: the game crashed"),
+    ("wrong_type", "ENVIRONMENT", "respond must return a Reply or a str, not dict"),
+    ("bad_reward", "ENVIRONMENT", "Reply.reward must be a finite number"),
+    ("hangs", "ENVIRONMENT", "environment guess_test did not answer within 0.2 seconds"),
+    ("start_hangs", "RESET", "environment guess_test did not start within 0.2 seconds"),
+    ("start_raises", "RESET", "environment guess_test failed to start: EnvironmentFailed: no board today"),
+    ("bad_opening", "RESET", "Opening.prompt must be non-empty text or a list of chat messages"),
+    ("unrenderable_opening", "RESET", "environment guess_test: the prompt its start made cannot be rendered: UndefinedError"),
 ])
-def test_an_environment_that_breaks_ends_the_sample_failed_with_the_reason(how, error):
+def test_an_environment_that_breaks_ends_the_sample_failed_with_the_reason(how, where, error):
     env = Broken(how)
-    r, _, _ = rollout([turn("5")], env, tool_timeout=0.2)
-    assert path(r)[-1] == ("ENVIRONMENT", "environment_failed", "FAILED")
+    r, server, _ = rollout([turn("5")], env, tool_timeout=0.2)
+    assert path(r)[-1] == (where, "environment_failed", "FAILED")
     assert r.record.reason == "environment_failed" and error in r.record.error
     assert env.ended == 1  # the episode was ended all the same
+    if where == "RESET":  # nothing generated; the sample holds its own prompt, untrained
+        assert server.requests == [] and r.traj.response_length == 0
+        assert list(r.traj.prompt_ids) == list(r.prompt_ids) and len(r.prompt_ids) > 0
 
 
 def test_through_slime_a_failed_environment_is_not_trained_and_rewards_are_in_the_metadata():
@@ -182,7 +193,7 @@ def test_through_slime_a_failed_environment_is_not_trained_and_rewards_are_in_th
     run(go(good, [turn("5"), turn("3")]))
     fsm = good.metadata["fsm"]
     assert good.status.name == "COMPLETED" and fsm["termination_reason"] == "environment_done"
-    assert fsm["environment"] == {"name": "guess_test", "reason": "guessed in 2"}
+    assert fsm["environment"] == {"name": "guess_test", "reason": "guessed in 2", "success": True}
     assert [t["reward"] for t in fsm["turn_rewards"]] == [-0.1, 1.0]
     assert env.started[-1] == (MESSAGES, {"secret": 3})  # the sample's own metadata, not the engine's
 
@@ -217,7 +228,8 @@ def test_a_tool_reward_is_kept_with_the_turn_that_called_it():
 def test_the_setting_is_read_and_checked():
     cfg = EngineConfig.from_args(make_args(engine_environment="user_simulator", engine_user_sim_url="http://127.0.0.1:1",
                                            engine_user_sim_api="generate"))
-    assert (cfg.environment, cfg.user_sim_url, cfg.user_sim_api) == ("user_simulator", "http://127.0.0.1:1", "generate")
+    own = cfg.plugin(UserSimulatorSettings)  # the simulator's own settings, declared with it, read with the engine's
+    assert (cfg.environment, own.url, own.api) == ("user_simulator", "http://127.0.0.1:1", "generate")
     with pytest.raises(SettingsError, match="engine_user_sim_api must be one of chat, generate"):
         EngineConfig.from_args(make_args(engine_user_sim_api="openai"))
     assert json.dumps(EngineConfig.from_args(make_args()).environment) == "null"
@@ -252,14 +264,19 @@ def test_reward_func_and_trace_text_read_the_per_turn_rewards():
     assert (reward["score"], reward["turn_reward"], reward["answer_score"]) == (1.0, 0.0, 1.0)
 
 
-def test_envs_knows_nothing_of_the_engine():
-    """Like `engine.tools`, the environment author's API imports nothing else of the engine."""
+def test_envs_knows_nothing_of_the_engine_but_how_settings_are_declared():
+    """Like `engine.tools`, the environment author's API imports nothing else of the engine but the
+    settings (an environment declares its own), and those import neither the loop nor the machine."""
     from tests.test_house import import_graph
 
     graph = import_graph()
     env_modules = [m for m in graph if m == "engine.envs" or m.startswith("engine.envs.")]
     assert "engine.envs.user_simulator" in env_modules
-    assert not {d for m in env_modules for d in graph[m] if not d.startswith("engine.envs")}
+    assert {d for m in env_modules for d in graph[m] if not d.startswith("engine.envs")} == {"engine.settings",
+                                                                                             "engine.settings.declare"}
+    settings = [m for m in graph if m.startswith("engine.settings")]
+    reached = {d for m in settings for d in graph[m]}
+    assert not {d for d in reached if not d.startswith(("engine.settings", "engine.sandbox", "engine.logs"))}
 
 
 def test_slimes_abort_cuts_an_environment_that_is_answering_and_writes_no_checkpoint():
@@ -269,7 +286,7 @@ def test_slimes_abort_cuts_an_environment_that_is_answering_and_writes_no_checkp
     answering = asyncio.Event()
 
     class Slow(Guess):
-        async def respond(self, episode: Any, text: str) -> envs.Reply:
+        async def respond(self, episode: Any, conversation: envs.Conversation) -> envs.Reply:
             answering.set()
             await asyncio.sleep(600)
             return envs.Reply("late")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +16,8 @@ from engine import envs, slime, tools
 from engine.envs.user_simulator import UserSimulator, chatml, clean
 from engine.local.sample import Sample
 from engine.local.server import BackgroundServer, ServerSettings
+from engine.loop.runtime import Runtime
+from engine.settings import EngineConfig
 from tests.conftest import run
 from tests.support.helpers import SAMPLING, make_args, tok
 
@@ -83,7 +84,7 @@ def test_the_simulated_user_and_the_model_hold_a_conversation_with_tool_calls_be
     sample = roll(args_for(server, engine_user_sim_api=api))
     fsm = sample.metadata["fsm"]
     assert (sample.status.name, fsm["termination_reason"]) == ("COMPLETED", "environment_done"), fsm.get("engine_error")
-    assert fsm["environment"] == {"name": "user_simulator", "reason": "user_stopped"}
+    assert fsm["environment"] == {"name": "user_simulator", "reason": "user_stopped", "success": None}
     states = [step[2] for step in fsm["trace"]]
     assert states.count("ENVIRONMENT") == 2 and "TOOL_CHECK_TIME" in states and "TOOL_BOOK_TABLE" in states
     # the conversation as the model saw it: its turns, the user's reply, the tools' answers
@@ -106,14 +107,17 @@ def test_the_simulated_user_and_the_model_hold_a_conversation_with_tool_calls_be
     assert set(sample.loss_mask[user[1]:user[2]]) == {0} and set(sample.rollout_log_probs[user[1]:user[2]]) == {0.0}
 
 
-async def _bad_server(kind: str) -> tuple[web.AppRunner, str]:
+async def _bad_server(kind: str, posts: list[int]) -> tuple[web.AppRunner, str]:
     async def handle(request: web.Request) -> web.StreamResponse:
+        posts.append(1)
         if kind == "hang":
             await asyncio.sleep(3600)
         if kind == "nonsense":
             return web.Response(text="<html>no</html>", content_type="text/html")
         if kind == "empty":
             return web.json_response({"choices": [{"message": {"role": "assistant", "content": "  <|im_end|>"}}]})
+        if kind == "huge":
+            return web.json_response({"choices": [{"message": {"role": "assistant", "content": "x" * 100_000}}]})
         return web.json_response({"error": "overloaded"}, status=503)
 
     app = web.Application()
@@ -134,22 +138,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind, error", [
-    ("refused", "ConnectError"),
-    ("hang", "did not answer within 1 seconds"),
-    ("nonsense", "the body is not JSON"),
-    ("empty", "an empty message"),
-    ("http503", "HTTP 503"),
+@pytest.mark.parametrize("kind, error, posted", [
+    ("refused", "ConnectError", 0),
+    ("hang", "did not answer within 1 seconds", 1),
+    ("nonsense", "the body is not JSON", 1),  # a service answering HTML answers it again: not retried
+    ("empty", "an empty message", 1),
+    ("http503", "gave up after 3 attempt(s): HTTP 503", 3),  # transient: retried as /generate is
+    ("huge", "over engine_max_reply_bytes=65536", 1),  # the engine's reply cap holds for the simulator too
 ])
-def test_a_simulator_that_fails_ends_the_episode_with_a_recorded_reason(server, kind, error):
+def test_a_simulator_that_fails_ends_the_episode_with_a_recorded_reason(server, kind, error, posted):
+    posts: list[int] = []
+
     async def go() -> Sample:
         if kind == "refused":
             runner, url = None, f"http://127.0.0.1:{_free_port()}"
         else:
-            runner, url = await _bad_server(kind)
+            runner, url = await _bad_server(kind, posts)
         sample = Sample(prompt=[{"role": "user", "content": FIRST}], metadata={"user_instructions": INSTRUCTIONS})
         try:
-            args = args_for(server, engine_user_sim_url=url, engine_tool_timeout=1)
+            args = args_for(server, engine_user_sim_url=url, engine_tool_timeout=1, engine_retry_attempts=3,
+                            engine_retry_base_delay=0.01, engine_max_reply_bytes=65536)
             with tools.registry.registered(Booking("check_time", 0.25)), tools.registry.registered(Booking("book_table", 0.5)):
                 await slime.generate(args, sample, dict(SAMPLING))
         finally:
@@ -162,6 +170,17 @@ def test_a_simulator_that_fails_ends_the_episode_with_a_recorded_reason(server, 
     assert (sample.status.name, fsm["termination_reason"]) == ("FAILED", "environment_failed")
     assert error in fsm["engine_error"] and sample.remove_sample is True
     assert tuple(fsm["trace"][-1]) == ("ENVIRONMENT", "environment_failed", "FAILED")
+    assert len(posts) == posted
+
+
+def test_the_simulator_asks_through_the_runtime_s_own_pool(server):
+    async def go() -> tuple[object, object]:
+        cfg = EngineConfig.from_args(args_for(server))
+        async with Runtime.create(cfg) as rt:
+            return rt.environment.http.http, rt.client.http
+
+    simulator_pool, generate_pool = run(go())
+    assert simulator_pool is generate_pool
 
 
 def test_the_simulator_reads_the_policy_without_markup_and_renders_chatml():
@@ -169,7 +188,25 @@ def test_the_simulator_reads_the_policy_without_markup_and_renders_chatml():
     assert chatml([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == \
         "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="needs engine_user_sim_url"):
-        UserSimulator().setup(make_args())
-    episode = run(UserSimulator().start("Hi", {"user_instructions": "Be Ada."}))
+        EngineConfig.from_args(make_args()).set_up(UserSimulator())
+    episode = run(UserSimulator().start(envs.Task("Hi", {"user_instructions": "Be Ada."})))
     assert episode[1] == {"role": "assistant", "content": "Hi"} and "Be Ada." in episode[0]["content"]
+    # the sample's arguments for the environment win over its metadata
+    episode = run(UserSimulator().start(envs.Task("Hi", {"user_instructions": "Be Ada."}, {"user_instructions": "Be Bo."})))
+    assert "Be Bo." in episode[0]["content"] and "Be Ada." not in episode[0]["content"]
     assert isinstance(envs.get_environment("user_simulator"), UserSimulator)
+
+
+def test_an_environment_gets_the_http_client_only_where_its_setup_takes_it():
+    from engine.loop.environment import takes_http
+
+    class Before(envs.Environment):  # written before setup took http
+        def setup(self, cfg, settings=None):
+            return self
+
+    class Open(envs.Environment):
+        def setup(self, cfg, settings=None, **given):
+            return self
+
+    assert takes_http(UserSimulator().setup) and takes_http(Open().setup) and takes_http(envs.Environment().setup)
+    assert not takes_http(Before().setup) and not takes_http(len)

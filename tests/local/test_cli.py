@@ -20,7 +20,7 @@ import attrs
 import pytest
 
 from engine.cli import build_parser, program_name
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.local.demos import demo_file
 from engine.run import settings_args
 
@@ -74,6 +74,10 @@ def _cases(d: Path) -> dict[str, tuple[list[str], str]]:
         "unknown_option": (["--bogus", *out], "unrecognized arguments: --bogus"),
         "unknown_profile": (["--profile", "xml", *out], "--profile xml: unknown profile 'xml': registered are chat, retool"),
         "unknown_tool_parser": (["--profile", "chat", "--tool-parser", "xml", *out], "--tool-parser: unknown tool parser 'xml': known are "),
+        "unknown_reasoning_parser": (["--profile", "chat", "--reasoning-parser", "xml", *out],
+                                     "--reasoning-parser: unknown reasoning parser 'xml': known are "),
+        "reasoning_parser_for_retool": (["--reasoning-parser", "qwen3", *out],
+                                        "--reasoning-parser: the retool profile reads its own reasoning format; engine_reasoning_parser is for chat"),
         "output_dir_missing": (["--output", str(d / "nowhere" / "o.jsonl")], "does not exist"),
         "output_is_a_directory": (["--output", str(d / "outdir")], "is a directory"),
         "output_unwritable": (["--output", "/proc/fsm-rollout-test.jsonl"], "--output /proc/fsm-rollout-test.jsonl: cannot write in /proc"),
@@ -288,8 +292,9 @@ def test_config_gives_the_settings_slime_would_read(tmp_path: Path) -> None:
     assert EngineConfig.from_args(settings_args(ns)) == from_slime
     assert from_slime.profile == "chat" and from_slime.tools == ("code_interpreter",) and from_slime.partial_rollout
     # a flag wins over the file, and changes nothing else
-    ns = build_parser().parse_args(["run", "--config", str(path), "--max-turns", "3", "--tool-module", "a.b"])
-    assert EngineConfig.from_args(settings_args(ns)) == attrs.evolve(from_slime, max_turns=3, tool_modules=("a.b",))
+    ns = build_parser().parse_args(["run", "--config", str(path), "--max-turns", "3", "--tool-module", "tests.support.plugins.shout_format"])
+    assert EngineConfig.from_args(settings_args(ns)) == attrs.evolve(from_slime, max_turns=3,
+                                                                     tool_modules=("tests.support.plugins.shout_format",))
 
 
 # -- soak and bench check the sandbox first -----------------------------------------------------------

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from engine import slime
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.local.demos import demo_file
 from engine.local.server import BackgroundServer
 from engine.sglang.http1 import AsyncioTransport

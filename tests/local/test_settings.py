@@ -14,7 +14,8 @@ import pytest
 import respx
 
 from engine import slime
-from engine.config import MAX_CONNECTIONS, SETTINGS, EngineConfig, SettingsError
+from engine.settings import EngineConfig, SettingsError
+from engine.settings.core import MAX_CONNECTIONS, run_rows
 from engine.local.sample import Sample
 from engine.loop.preflight import check_tools, log_tool_problems
 from tests.conftest import run
@@ -24,10 +25,11 @@ from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, turn
 @pytest.fixture(autouse=True)
 def fresh_warnings() -> None:
     """Each test sees its own once-only warnings (they are remembered per process)."""
-    import engine.config
+    import engine.logs
+    import engine.settings.core
 
-    engine.config._warned.clear()
-    engine.config._from_args_cache.clear()
+    engine.logs.forget()
+    engine.settings.core._from_args_cache.clear()
 
 
 @pytest.mark.parametrize(("key", "value", "says"), [
@@ -79,7 +81,7 @@ def test_every_sample_of_an_unusable_setting_ends_engine_setup_failed_with_the_s
 
 def test_a_huge_concurrency_is_capped_and_the_sample_still_runs(caplog: pytest.LogCaptureFixture) -> None:
     args = make_args(sglang_server_concurrency=10**8, rollout_num_gpus=8)
-    with caplog.at_level(logging.WARNING, logger="engine.config"):
+    with caplog.at_level(logging.WARNING, logger="engine.settings"):
         cfg = EngineConfig.from_args(args)
         EngineConfig.from_args(args)
     assert cfg.max_connections == MAX_CONNECTIONS
@@ -95,7 +97,7 @@ def test_a_huge_concurrency_is_capped_and_the_sample_still_runs(caplog: pytest.L
 
 def test_an_unknown_engine_key_is_warned_once_with_the_closest_key(caplog: pytest.LogCaptureFixture) -> None:
     args = make_args(engine_max_turnz=3, engine_tool_timout=5, engine_zzz_qqq=1, other_slime_arg=1)
-    with caplog.at_level(logging.WARNING, logger="engine.config"):
+    with caplog.at_level(logging.WARNING, logger="engine.settings"):
         for _ in range(3):
             cfg = EngineConfig.from_args(args)
     said = [r.getMessage() for r in caplog.records]
@@ -120,8 +122,8 @@ def test_remembered_settings_follow_a_changed_args() -> None:
 
 
 def test_every_setting_documents_itself() -> None:
-    for key, s in SETTINGS.items():
-        assert s.key == key and s.help and s.allowed()
+    for s in run_rows():
+        assert s.key and s.help and s.allowed()
         assert s.read(None) == s.default
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.loop import driver
 from engine.machine import actions as a
 from engine.machine.rollout import Inputs, Rollout, TurnScratch

@@ -67,7 +67,7 @@ def test_samples_handed_over_together_start_a_few_per_event_loop_turn_with_full_
     import asyncio
 
     from engine.aio import Gate
-    from engine.config import EngineConfig
+    from engine.settings import EngineConfig
     from engine.loop import runtime
 
     class Stub:  # the two fields `in_flight` reads

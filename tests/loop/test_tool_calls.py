@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine import tools
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.loop import tool_calls
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles.base import ToolCall

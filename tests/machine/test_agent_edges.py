@@ -94,6 +94,15 @@ def test_a_server_abort_goes_on_inside_the_turn_and_the_harness_gets_it_whole():
     assert r.turn_count == 1 and r.record.turn_log[0]["aborted"] is True
 
 
+def test_a_server_that_keeps_aborting_a_turn_ends_the_sample_aborted():
+    from engine.machine.guards import RESUMES_PER_TURN
+
+    aborts = [turn("x", finish="abort") for _ in range(RESUMES_PER_TURN + 1)]
+    r, server = walk(aborts, harness=StubHarness([]))
+    assert len(server.requests) == RESUMES_PER_TURN + 1
+    assert path(r)[-1] == ("GENERATE", "reply", "ABORTED") and (r.state, r.reason) == ("ABORTED", "server_aborted")
+
+
 def test_a_call_s_own_cap_and_stop_strings_shape_the_turn_that_answers_it():
     r, server = walk([turn(CODE), turn(ANSWER)], harness=StubHarness([extends(max_new_tokens=7, stop=("STOP",))]),
                      params={**SAMPLING, "stop": ["</code>"]})

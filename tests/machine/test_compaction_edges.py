@@ -189,7 +189,7 @@ def test_a_tool_loop_under_qwen3_stays_one_sequence(fake_interpreter):
 
 
 def test_a_compaction_threshold_the_context_cannot_hold_is_one_sentence():
-    from engine.config import EngineConfig, SettingsError
+    from engine.settings import EngineConfig, SettingsError
 
     with pytest.raises(SettingsError, match=r"^engine_compaction_threshold must be below the context \(4096 tokens\), got 4096$"):
         EngineConfig(compaction="summarize", compaction_threshold=4096, max_context_len=4096)

@@ -14,7 +14,7 @@ import respx
 from transitions import MachineError
 
 from engine import envs, tools
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
 from engine.loop.runtime import Runtime
 from engine.machine import guards
@@ -392,7 +392,7 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
     class HangingEnvironment(envs.Environment):
         name = "hanging_test"
 
-        async def respond(self, episode: Any, text: str) -> envs.Reply:
+        async def respond(self, episode: Any, conversation: envs.Conversation) -> envs.Reply:
             await never.wait()
             return envs.Reply("")
 

@@ -216,7 +216,7 @@ def test_abort_flag_stops_50_samples_in_tool_calls_before_their_next_generation(
             while gate["in_tools"] < 50:
                 await asyncio.sleep(0.01)
             sent_before = len(server.requests)
-            rt = slime.runtime_for(__import__("engine.config", fromlist=["EngineConfig"]).EngineConfig.from_args(args))
+            rt = slime.runtime_for(__import__("engine.settings", fromlist=["EngineConfig"]).EngineConfig.from_args(args))
             rt.abort.set()
             release.set()
             await asyncio.gather(*tasks)

@@ -104,8 +104,10 @@ def test_the_outcome_checker_reads_every_reason_from_the_table() -> None:
     assert statuses["observation_over_budget"] == "TRUNCATED"  # via TRIM
     assert statuses["logprobs_missing"] == "ABORTED"  # the reply's own problem, recorded by the edge's action
     for e in spec.edges:
-        if e.dest in TERMINALS and e.reason is not None and not e.records:
+        if e.dest in TERMINALS and e.reason is not None and not e.records and e.source != "TRIM":
             assert REASON_STATUS[e.reason] == e.dest
+    assert "trim" not in statuses  # TRIM is entered by edges that record their reason: its own is never recorded
+    assert "reply_unusable" not in statuses  # its action records the reply's problem instead
     assert {"environment_done", "environment_failed", "attempts_exhausted"} <= REASON_STATUS.keys()
     moved = [attrs.evolve(e, dest="FAILED") if e.guard_name == "environment_done" else e for e in spec.edges]
     assert attrs.evolve(spec, edges=tuple(moved)).reason_statuses()["environment_done"] == "FAILED"

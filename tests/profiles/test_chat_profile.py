@@ -8,7 +8,7 @@ import logging
 import pytest
 import respx
 
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
 from engine.profiles.chat import ChatProfile, full_render_ids, incremental_ids, parse_hermes_turn
 from engine.profiles.tokenizer import load_tokenizer, offline_tokenizer_dir

@@ -5,10 +5,19 @@ The prompt is the template's with the tools; the parser is the one the template 
 turn (reasoning, content, the call with non-ASCII arguments whose characters span several byte
 tokens) ends on the family's turn-ending token, which stays in the trained ids once; the tool's
 result is glued by the template's own delta in the role it expects; I1-I6 hold.
+
+With thinking on (Qwen3.5, GLM-4.7, DeepSeek-V3.1): the reasoning parser the template names,
+forced by the generation prompt, splits each turn as SGLang serves it (checked against SGLang's
+own readings where FSM_SGLANG_ORACLE is set): a call after the reasoning runs, one inside it is
+reasoning and the turn is the answer.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,10 +30,12 @@ from engine.local.sample import Sample
 from engine.profiles.chat import ChatProfile
 from engine.profiles.tokenizer import load_tokenizer, offline_tokenizer_dir
 from tests.conftest import run
+from tests.profiles.formats_corpus import THOUGHT, reasoning_cases
 from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args
 
 CODE = "print('héllo 世界 🦜', 6 * 7)"
 OUTPUT = "Output:\nhéllo 世界 🦜 42"  # what code_interpreter answers
+ANSWER = "It printed 42.\nAnswer: \\boxed{42}"
 FAMILIES = {
     # model: (parser the template names, the turn after the generation prompt, the role the result is in)
     "glm-4.7-flash": ("glm47", "I should run it.</think>Let me check.<tool_call>code_interpreter<arg_key>code</arg_key>"
@@ -36,6 +47,17 @@ FAMILIES = {
     "deepseek-v3.1": ("deepseekv31", "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>code_interpreter<｜tool▁sep｜>"
                       f'{{"code": "print(\'héllo 世界 🦜\', 6 * 7)"}}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "<｜tool▁output▁begin｜>"),
 }
+
+
+def _roll_out(path: str, script: list[httpx.Response]) -> tuple[Sample, ScriptedServer]:
+    """One sample through slime's generate with the model's tokenizer at `path`, the script answering."""
+    server = ScriptedServer(script)
+    sample = Sample(prompt="What is 6 * 7? Use the tool.", label="42")
+    with respx.mock(assert_all_called=False) as mock:
+        mock.post(URL + "/generate").mock(side_effect=server)
+        run(slime.generate(make_args(hf_checkpoint=path, engine_profile="chat", engine_tools=["code_interpreter"]),
+                           sample, dict(SAMPLING)))
+    return sample, server
 
 
 def _reply(ids: list[int], text: str) -> httpx.Response:
@@ -56,13 +78,8 @@ def test_a_rollout_in_the_family_s_own_format_and_template(model: str) -> None:
     encode = profile.codec.encode
     call_ids = encode(call_turn) + [profile.closer_id]  # the server returned the turn-ending token
     assert any("\ufffd" in profile.decode([i]) for i in encode(CODE)), "some character spans several tokens"
-    answer_ids = encode("It printed 42.\nAnswer: \\boxed{42}") + [profile.eos_id]
-    server = ScriptedServer([_reply(call_ids, call_turn), _reply(answer_ids, "")])
-    sample = Sample(prompt="What is 6 * 7? Use the tool.", label="42")
-    with respx.mock(assert_all_called=False) as mock:
-        mock.post(URL + "/generate").mock(side_effect=server)
-        run(slime.generate(make_args(hf_checkpoint=path, engine_profile="chat", engine_tools=["code_interpreter"]),
-                           sample, dict(SAMPLING)))
+    answer_ids = encode(ANSWER) + [profile.eos_id]
+    sample, server = _roll_out(path, [_reply(call_ids, call_turn), _reply(answer_ids, "")])
     fsm = sample.metadata["fsm"]
     assert sample.status == Sample.Status.COMPLETED, fsm
     assert fsm["tool_stats"]["calls"] == 1 and not fsm["tool_stats"].get("errors"), fsm["tool_stats"]
@@ -91,3 +108,73 @@ def _tool_schema() -> dict[str, Any]:
     from engine import tools
 
     return tools.get("code_interpreter").schema()  # type: ignore[union-attr]
+
+
+# -- thinking on: a call after the reasoning runs, a call inside it does not ------------------
+
+THINKING = {
+    # model: (the corpus's served family: reasoning parser + tool parser, forced by the prompt)
+    "qwen-3.5": "qwen3+qwen3_coder+forced",
+    "glm-4.7-flash": "glm45+glm47+forced",
+    "deepseek-v3.1": "deepseek-v3+deepseekv31+forced",  # thinking switched on in its template, as thinking=True does
+}
+SERVED = {c["id"]: c for c in reasoning_cases()}
+
+
+def _thinking_tokenizer_dir(model: str, tmp_path: Path) -> str:
+    """The model's tokenizer directory; DeepSeek-V3.1's with its `thinking` switch on (the engine
+    renders no template kwargs, so the template text says it)."""
+    path = offline_tokenizer_dir(model)
+    if model != "deepseek-v3.1":
+        return path
+    target = tmp_path / model
+    shutil.copytree(path, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% set thinking = true %}" + config["chat_template"]
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+@pytest.mark.parametrize("shape", ["call_after", "call_inside"])
+@pytest.mark.parametrize("model", sorted(THINKING))
+def test_with_thinking_on_a_call_after_the_reasoning_runs_and_one_inside_it_does_not(
+        model: str, shape: str, tmp_path: Path) -> None:
+    case = SERVED[f"{THINKING[model]}/{shape}"]
+    path = _thinking_tokenizer_dir(model, tmp_path)
+    tok = load_tokenizer(path)
+    profile = ChatProfile(tok)
+    # the defaults from the template: the parsers SGLang's template detection names, thinking forced by the prompt
+    assert (profile.reasoning_parser, profile.tool_parser, profile.thinking_forced) == (case["reasoning"], case["parser"], True)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 6 * 7?"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith(("<think>", "<think>\n"))
+    reading = profile.read_turn(case["text"])
+    _check_against_sglang(case["id"], reading)
+    # without a reasoning parser (SGLang without --reasoning-parser) the call in the reasoning would run
+    assert ChatProfile(tok, reasoning_parser="none").read_turn(case["text"]).calls
+
+    encode = profile.codec.encode
+    runs = shape == "call_after"
+    first = encode(case["text"]) + [profile.closer_id if runs else profile.eos_id]
+    script = [_reply(first, case["text"])]
+    if runs:
+        script.append(_reply(encode(ANSWER) + [profile.eos_id], ""))
+    sample, server = _roll_out(path, script)
+    fsm = sample.metadata["fsm"]
+    assert sample.status == Sample.Status.COMPLETED, fsm
+    assert len(server.requests) == len(script)
+    assert fsm["tool_stats"]["calls"] == (1 if runs else 0), fsm["tool_stats"]
+    assert [(c.name, c.arguments) for c in reading.calls] == ([("code_interpreter", {"code": "print(6*7)"})] if runs else [])
+    assert "6*7" in reading.reasoning if not runs else reading.reasoning.strip() == THOUGHT
+    prompt_ids = server.requests[0]["input_ids"]
+    assert sample_violations(sample, prompt_ids=prompt_ids, budget=4096, decode=profile.decode) == []
+
+
+def _check_against_sglang(case_id: str, reading: Any) -> None:
+    """Where SGLang's readings are at hand (FSM_SGLANG_ORACLE), the profile serves the turn as SGLang does."""
+    path = os.environ.get("FSM_SGLANG_ORACLE")
+    if not path or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        theirs = json.load(f)["served"][case_id]
+    assert (reading.reasoning, reading.content) == (theirs["reasoning"], theirs["content"])
+    assert [(c.name, c.arguments) for c in reading.calls] == [(c["name"], json.loads(c["parameters"])) for c in theirs["calls"]]

@@ -87,7 +87,7 @@ def test_a_whole_llama_rollout_is_meta_s_encoding_token_for_token(closer: str) -
     # The model's call turn (Meta's ids, closed by `closer`), the result glued by the template's
     # delta; the second request must be exactly ChatFormat's encoding of the same dialog.
     from engine import tools
-    from engine.config import EngineConfig, RetryPolicy
+    from engine.settings import EngineConfig, RetryPolicy
     from engine.local.invariants import sample_violations
     from engine.local.sample import Sample
     from tests.profiles.test_family_rollouts import _reply

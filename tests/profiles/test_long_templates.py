@@ -29,11 +29,11 @@ class GoOn(envs.Environment):
 
     name = "go_on_test"
 
-    async def start(self, prompt: Any, metadata: Any) -> list[str]:
+    async def start(self, task: envs.Task) -> list[str]:
         return []
 
-    async def respond(self, episode: list[str], text: str) -> envs.Reply:
-        episode.append(text)
+    async def respond(self, episode: list[str], conversation: envs.Conversation) -> envs.Reply:
+        episode.append(conversation.text)
         return envs.Reply("Go on: check 3 - 1 too.") if len(episode) == 1 else envs.Reply(done=True, reward=1.0, reason="done")
 
 

@@ -95,7 +95,7 @@ def test_a_whole_mistral_rollout_is_mistral_common_s_render_token_for_token(fake
     # the model's [TOOL_CALLS] turn ended by </s>, the result glued with the model's call id; the
     # second request must be exactly mistral-common's render of the same conversation.
     from engine import tools
-    from engine.config import EngineConfig, RetryPolicy
+    from engine.settings import EngineConfig, RetryPolicy
     from engine.local.invariants import sample_violations
     from engine.local.sample import Sample
     from tests.profiles.test_family_rollouts import _reply

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+import engine.logs
 from engine.profiles import parsers
 from engine.profiles.chat import ChatProfile
-from engine.profiles.parsers import detect_tool_parser, foreign_format, get_tool_parser, register_tool_parser, split_reasoning
+from engine.profiles.parsers import detect_tool_parser, foreign_format, get_tool_parser, register_tool_parser
 from engine.profiles.parsers.base import ParsedTurn
 from engine.profiles.tokenizer import load_tokenizer
 from tests.profiles.formats_corpus import NESTED, ONE, RENDER, TOOLS, TWO, UNICODE, cases
@@ -44,12 +45,6 @@ def test_text_without_a_call_is_content() -> None:
         assert get_tool_parser(name).parse("The answer is 42.", SCHEMAS) == ParsedTurn("The answer is 42.")
 
 
-def test_reasoning_is_split_off_even_when_the_prompt_opened_it() -> None:
-    assert split_reasoning("<think>a</think>b") == ("<think>a</think>", "b")
-    assert split_reasoning("a</think>\n\nb") == ("a</think>", "\n\nb")  # Qwen3.5 / GLM-4.7: <think> was in the prompt
-    assert split_reasoning("b<think>still thinking") == ("<think>still thinking", "b")
-
-
 def test_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(ValueError) as err:
         get_tool_parser("no-such-format")
@@ -59,7 +54,7 @@ def test_unknown_name_lists_the_known_ones() -> None:
 
 def test_register_tool_parser_by_object_and_by_module_path() -> None:
     class Shout:
-        name, reasoning = "shout", True
+        name = "shout"
 
         def parse(self, text: str, schemas: dict) -> ParsedTurn:
             from engine.profiles.base import ToolCall
@@ -126,7 +121,7 @@ def test_chat_profile_refuses_an_unknown_parser(qwen3) -> None:
 
 
 def test_the_default_parser_is_chosen_from_the_template_and_logged_once(qwen3, caplog) -> None:
-    parsers._LOGGED.clear()
+    engine.logs.forget()
     with caplog.at_level("INFO", logger="engine.profiles.parsers"):
         assert ChatProfile(qwen3).tool_parser == "qwen"
         ChatProfile(qwen3)

@@ -140,7 +140,7 @@ def test_the_prompt_cache_key_is_exact() -> None:
 
 
 def test_the_settings_cache_key_is_exact() -> None:
-    from engine.config import _hashable
+    from engine.settings.sources import _hashable
 
     assert len({_hashable(v) for v in (1, 1.0, True, "1", ["a"], ("a",), [1], [1.0])}) == 8
     with pytest.raises(TypeError):  # no exact key: read afresh rather than keyed by an id another value may reuse

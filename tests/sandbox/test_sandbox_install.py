@@ -167,16 +167,24 @@ def test_namespaces_refused_still_runs_code() -> None:
     assert answer == "42" and runner.UID_BASE <= int(uid) < runner.UID_BASE + runner.UID_COUNT
 
 
-@pytest.mark.parametrize("memory_mib, processes", [(256, 64), (4096, 64), (100, 8), (8192, 4)])
-def test_without_cgroups_processes_times_memory_stays_within_the_budget(memory_mib: int, processes: int) -> None:
+@pytest.mark.parametrize("memory_mib, processes", [(256, 64), (4096, 64), (100, 8), (8192, 4), (1024, 64)])
+def test_pages_and_kernel_buffers_together_stay_within_the_budget(memory_mib: int, processes: int) -> None:
     limits = runner.SandboxLimits(memory_bytes=memory_mib << 20, max_processes=processes)
+    per_fd = runner.kernel_bytes_per_fd()
+    assert per_fd >= 212992  # at least a unix socket's default send buffer
     got = runner._rlimits(limits, runner._Capabilities(root=True, cgroup="rlimits"), uid=runner.UID_BASE)
     assert 1 <= got["NPROC"] <= processes
-    assert got["NPROC"] * got["AS"] <= limits.memory_bytes
-    assert got["AS"] >= min(limits.memory_bytes, runner.MIN_PROCESS_BYTES)  # each process can still work
-    # With a cgroup for the whole run, each process may grow to the whole budget.
+    # Without a cgroup: every process's address space and the buffers its descriptors can hold.
+    assert got["NPROC"] * (got["AS"] + got["NOFILE"] * per_fd) <= limits.memory_bytes
+    assert got["AS"] >= min(limits.memory_bytes, runner.MIN_PROCESS_BYTES) * 3 // 4  # each process can still work
+    assert got["NOFILE"] >= runner.MIN_FILES
+    # With a cgroup for the whole run: its pages under the cgroup's limit, the buffers beside it.
+    budget = runner._budget(limits, runner._Capabilities(root=True, cgroup="v1"), uid=runner.UID_BASE)
+    assert budget.kernel == budget.processes * budget.files * per_fd
+    assert budget.memory + budget.kernel <= limits.memory_bytes and budget.kernel <= limits.memory_bytes // 4
+    assert budget.address_space == budget.memory and budget.files >= runner.MIN_FILES
     whole = runner._rlimits(limits, runner._Capabilities(root=True, cgroup="v1"), uid=runner.UID_BASE)
-    assert whole["NPROC"] == processes and whole["AS"] == limits.memory_bytes
+    assert whole["NPROC"] == budget.processes <= processes and whole["NOFILE"] == budget.files
 
 
 def test_a_dead_zygote_fails_its_runs_loudly_and_the_next_call_starts_a_new_one() -> None:

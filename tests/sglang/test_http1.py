@@ -9,14 +9,17 @@ can get wrong.
 from __future__ import annotations
 
 import asyncio
+import gzip
+import zlib
 from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
 
 from engine.local.bench.memory import in_flight_request_bytes
-from engine.sglang.client import HttpPool, ReplyTooLarge
-from engine.sglang.http1 import MAX_HEAD, RequestTimeout
+from engine.sglang.client import HttpPool
+from engine.sglang.http1 import MAX_HEAD, ReplyRefused, ReplyTooLarge, RequestTimeout
+
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]  # False: close after
 
 
@@ -226,7 +229,11 @@ def test_a_body_delimited_by_the_close_is_read_to_the_end() -> None:
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", "Transfer-Encoding"),
     (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "interim"),
     (b"HTTP/1.1 100 Continue\r\n\r\n" * 20_000, "interim"),  # a flood of them: an error, not a recursion
-    (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", "compressed"),  # never asked for
+    (b"HTTP/1.1 200 OK\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{}", "Content-Encoding 'br'"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", "only transfer coding"),
+    (b"HTTP/1.1 200 OK\nContent-Length: 2\n\n{}", "bare LF"),  # never a CRLF CRLF: refused at once, not timed out
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\nX: 1\r\n\r\n{}", "bare LF"),
+    (b"HTTP/1.1 200 OK\rContent-Length: 2\r\n\r\n{}", "bare LF"),
 ])
 def test_malformed_replies_are_protocol_errors_and_the_connection_is_dropped(raw: bytes, words: str) -> None:
     async def go() -> None:
@@ -308,8 +315,8 @@ def test_json_bodies_and_event_hooks() -> None:
     async def on_request(request: httpx.Request) -> None:
         seen.append(f"{request.method} {request.url.path} {request.content.decode()}")
 
-    async def on_response(response: httpx.Response) -> None:
-        seen.append(f"{response.status_code} {response.content.decode()}")
+    async def on_response(response: httpx.Response) -> None:  # httpx hands hooks the reply unread
+        seen.append(f"{response.status_code} {(await response.aread()).decode()}")
 
     async def go() -> None:
         async with RawServer(reply(OK)) as server:
@@ -433,3 +440,54 @@ def test_with_a_request_hook_the_body_is_held_while_waiting() -> None:
 
     held, sent = in_flight_request_bytes(repeats=1, hook=hook)
     assert held > sent  # what the body source saves, measured the same way
+
+
+def raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-15)
+    return packer.compress(data) + packer.flush()
+
+
+def _coded(coding: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Encoding: %s\r\nContent-Length: %d\r\n\r\n%s" % (coding, len(body), body)
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (_coded(b"gzip", gzip.compress(b'{"a": 1}')), b'{"a": 1}'),
+    (_coded(b"x-gzip", gzip.compress(b'{"a": 1}')), b'{"a": 1}'),
+    (_coded(b"deflate", zlib.compress(b'{"a": 1}')), b'{"a": 1}'),  # zlib's format, as HTTP names it
+    (_coded(b"deflate", raw_deflate(b'{"a": 1}')), b'{"a": 1}'),  # the raw stream, as some servers send it
+    (_coded(b"identity", b'{"a": 1}'), b'{"a": 1}'),
+    (_coded(b"gzip", gzip.compress(b"x")[:-4]), "cut short"),  # the trailer lost
+    (_coded(b"gzip", gzip.compress(b"x") + b"junk"), "past its end"),
+    (_coded(b"gzip", b"not gzip at all"), "does not inflate"),
+    (_coded(b"gzip", gzip.compress(b"x" * 100_001)), "inflates past 100000 bytes"),
+    (_coded(b"gzip, gzip", gzip.compress(gzip.compress(b"x"))), "Content-Encoding 'gzip, gzip'"),
+])
+def test_a_compressed_reply_is_inflated_within_the_cap_or_refused(raw: bytes, expected: bytes | str) -> None:
+    async def go() -> None:
+        async with RawServer(reply(raw)) as server:
+            c = client(max_body=100_000)
+            if isinstance(expected, bytes):
+                r = await c.request("POST", server.url, content=b"{}")
+                assert r.content == expected and r.headers.get("content-encoding") in (None, "identity")
+                assert r.headers["content-length"] == str(len(expected))  # the inflated body's
+            else:
+                with pytest.raises(ReplyRefused, match=expected):
+                    await c.request("POST", server.url, content=b"{}")
+            await c.aclose()
+        assert server.requests[0][0].count(b"\r\nAccept-Encoding: identity\r\n") == 1
+
+    run(go())
+
+
+def test_an_idle_connection_the_server_closed_is_seen_at_checkout_before_the_loop_reads_its_fin() -> None:
+    """The server writes its reply and closes in one go; the next request is taken at once."""
+    async def go() -> None:
+        async with RawServer(reply(OK, keep=False)) as server:
+            c = client()
+            for _ in range(20):  # back to back: no sleep for the FIN to be read first
+                assert (await c.request("POST", server.url, content=b"{}")).status_code == 200
+            await c.aclose()
+        assert server.connections == 20 and len(server.requests) == 20
+
+    run(go())

@@ -14,7 +14,7 @@ import random
 import httpx
 
 from engine import slime
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.local.sample import Sample
 from engine.sglang.client import HttpPool, SGLangClient
 from engine.sglang.wire import Failure, Reply

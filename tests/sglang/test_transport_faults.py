@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import gzip
 import json
 import time
 
+import httpx
 import pytest
 
 from engine import slime
-from engine.config import EngineConfig
 from engine.local.sample import Sample
-from tests.sglang.loopback import Handler, LoopbackServer, drip, send
+from engine.loop.runtime import Runtime
+from engine.settings import EngineConfig, RetryPolicy
+from engine.sglang.client import HttpPool, ServiceClient, ServiceFailed, SGLangClient
+from engine.sglang.wire import Reply
+from tests.sglang.loopback import Handler, LoopbackServer, drip, response_bytes, send
 from tests.support.helpers import IM_END, SAMPLING, encode, make_args, reply_body
 
 ANSWER = reply_body(encode("Answer: \\boxed{1}") + [IM_END])
@@ -179,3 +184,126 @@ def test_a_well_behaved_server_completes() -> None:
     assert request.headers["content-type"] == "application/json"
     payload = json.loads(request.body)
     assert payload["return_logprob"] is True and payload["input_ids"] == s.tokens[: len(payload["input_ids"])]
+
+
+# -- replies the engine does not take, and the servers that close after each reply ---------------
+def closes_after(reply: bytes) -> Handler:
+    """A handler that writes `reply` and closes the connection at once, announcing nothing."""
+
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    return handler
+
+
+def raw(head: bytes, body: bytes) -> Handler:
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(head + body)
+        await writer.drain()
+
+    return handler
+
+
+ANSWER_BYTES = json.dumps(ANSWER).encode()
+
+
+def test_a_server_closing_after_each_reply_costs_no_retry_back_to_back() -> None:
+    """Its FIN arrives right behind the reply: the next turn, taken at once, must not write on that connection."""
+    async def go() -> tuple[int, int]:
+        async with LoopbackServer([closes_after(response_bytes(200, ANSWER_BYTES))], repeat_last=True) as server:
+            client = SGLangClient(server.url, HttpPool(4, httpx.Timeout(30.0)), RetryPolicy(max_attempts=3, base_delay=0.01),
+                                  vocab_size=200_000)
+            for _ in range(200):
+                assert isinstance(await client.generate([1, 2, 3], {}, 8), Reply)
+            await client.http.aclose()
+            return len(server.generates), client.retries_spent
+
+    assert asyncio.run(go()) == (200, 0)  # one POST a turn, no retry
+
+
+def test_at_the_pool_a_server_closing_after_each_reply_fails_no_request() -> None:
+    async def go() -> tuple[int, int]:
+        async with LoopbackServer([closes_after(response_bytes(200, b"{}"))], repeat_last=True) as server:
+            pool = HttpPool(8, httpx.Timeout(30.0))
+
+            async def eight_times(worker: int) -> int:
+                return sum([(await pool.post(server.url + "/generate", content=b"{}")).status_code == 200
+                            for _ in range(25)])
+
+            ok = sum(await asyncio.gather(*(eight_times(i) for i in range(8))))
+            await pool.aclose()
+            return ok, len(server.generates)
+
+    assert asyncio.run(go()) == (200, 200)
+
+
+def test_gzip_then_chunked_is_refused_at_once_and_posted_once() -> None:
+    """The body would be gzip's bytes: only chunked is a transfer coding the engine reads, and the
+    server would frame the next reply the same way, so it is not retried."""
+    gz = gzip.compress(ANSWER_BYTES)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+    server = LoopbackServer([raw(head, b"%x\r\n%s\r\n0\r\n\r\n" % (len(gz), gz))], repeat_last=True)
+    s, took = roll(server)
+    assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
+    assert "Transfer-Encoding 'gzip, chunked'" in meta(s)["engine_error"]
+    assert len(server.generates) == 1 and took < SLACK
+    assert server.generates[0].headers["accept-encoding"] == "identity"
+
+
+def test_a_gzip_reply_is_inflated_within_the_reply_cap() -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n"
+    gz = gzip.compress(ANSWER_BYTES)
+    server = LoopbackServer([raw(head % len(gz), gz)])
+    s, _ = roll(server)
+    assert s.status == Sample.Status.COMPLETED and s.response.endswith("\\boxed{1}<|im_end|>")
+    assert len(server.generates) == 1
+
+
+def test_a_gzip_reply_inflating_past_the_reply_cap_is_refused_and_posted_once() -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n"
+    bomb = gzip.compress(b" " * (8 << 20))  # 8 MiB of spaces in about 8 KiB
+    server = LoopbackServer([raw(head % len(bomb), bomb)], repeat_last=True)
+    s, _ = roll(server, engine_max_reply_bytes=1 << 20)
+    assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
+    assert "HTTP 200 reply inflates past 1048576 bytes, over engine_max_reply_bytes" in meta(s)["engine_error"]
+    assert len(server.generates) == 1
+
+
+def test_a_content_coding_the_engine_does_not_read_is_refused_and_posted_once() -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: br\r\nContent-Length: 4\r\n\r\n"
+    server = LoopbackServer([raw(head, b"\x0b\x01\x80{")], repeat_last=True)
+    s, took = roll(server)
+    assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
+    assert "Content-Encoding 'br'" in meta(s)["engine_error"] and len(server.generates) == 1 and took < SLACK
+
+
+def test_a_head_with_bare_lf_line_ends_fails_at_once_not_after_the_request_timeout() -> None:
+    server = LoopbackServer([raw(b"HTTP/1.1 200 OK\nContent-Type: application/json\nContent-Length: %d\n\n"
+                                % len(ANSWER_BYTES), ANSWER_BYTES)], repeat_last=True)
+    s, took = roll(server)  # the request timeout is 1,800 s
+    assert s.status == Sample.Status.FAILED and meta(s)["termination_reason"] == "request_rejected"
+    assert "bare LF" in meta(s)["engine_error"]
+    assert len(server.generates) == 1 and took < SLACK
+
+
+def test_a_url_without_a_scheme_is_a_setup_error_and_nothing_is_posted() -> None:
+    async def go() -> tuple[list[str], int]:
+        async with LoopbackServer([send(200, ANSWER)], repeat_last=True) as server:
+            bare = f"127.0.0.1:{server.port}"  # httpx reads it as a path; "localhost:30000" as scheme "localhost"
+            refused = []
+            for url in (bare, "localhost:30000", "http:///generate"):
+                with pytest.raises(ValueError, match="not an http:// or https:// URL") as caught:
+                    SGLangClient(url, HttpPool(4, httpx.Timeout(5.0)), RetryPolicy())
+                refused.append(str(caught.value))
+            with pytest.raises(ValueError, match="an http:// or https:// URL"):  # the settings refuse it first
+                Runtime.create(EngineConfig(server_url=bare))
+            service = ServiceClient(HttpPool(4, httpx.Timeout(5.0)), RetryPolicy(base_delay=0.01))
+            with pytest.raises(ServiceFailed, match="UnsupportedProtocol"):  # final at once, never retried
+                await service.post_json(bare + "/generate", {}, timeout=30.0)
+            assert service.retrying.spent == 0
+            return refused, len(server.generates)
+
+    refused, posts = asyncio.run(go())
+    assert posts == 0 and "(http://127.0.0.1:" in refused[0] and "(http:" not in refused[2]

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.sglang.client import SGLangClient, make_http_client
 from engine.sglang.wire import Reply
 from tests.support.helpers import IM_END, encode, reply_body

@@ -229,7 +229,7 @@ def test_a_body_keeps_no_response_bytes_between_turns() -> None:
 
 
 def test_the_client_keeps_each_samples_own_prompt_encoded() -> None:
-    from engine.config import RetryPolicy
+    from engine.settings import RetryPolicy
     from engine.sglang.client import SGLangClient
 
     client = SGLangClient(URL, http=None, retry=RetryPolicy())  # type: ignore[arg-type]

@@ -179,12 +179,12 @@ class EchoEnvironment(envs.Environment):
 
     name = "echo_test"
 
-    async def start(self, prompt: Any, metadata: Any) -> list[str]:
+    async def start(self, task: envs.Task) -> list[str]:
         return []
 
-    async def respond(self, episode: list[str], text: str) -> envs.Reply:
-        episode.append(text)
-        return envs.Reply(done=True, reason="heard twice") if len(episode) > 1 else envs.Reply("You said: " + text)
+    async def respond(self, episode: list[str], conversation: envs.Conversation) -> envs.Reply:
+        episode.append(conversation.text)
+        return envs.Reply(done=True, reason="heard twice") if len(episode) > 1 else envs.Reply("You said: " + conversation.text)
 
 
 envs.register_environment(EchoEnvironment(), replace=True)

@@ -123,9 +123,9 @@ async def slime_side(server_url: str, tokenizer: Any, prompts: list[str]) -> dic
 async def engine_side(server_url: str, tokenizer: Any, prompts: list[str]) -> dict[str, list[dict[str, Any]]]:
     from engine.agent.harness import HarnessSpec
     from engine.agent.serving import close_served, run_agent
-    from engine.config import EngineConfig
     from engine.local.sample import Sample
     from engine.loop.runtime import Runtime
+    from engine.settings import EngineConfig
     from engine.slime.sample_io import write_segments
 
     out: dict[str, list[dict[str, Any]]] = {}

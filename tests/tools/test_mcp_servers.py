@@ -1,6 +1,7 @@
 """Tools served by real MCP servers (written with the SDK, started by the tests): listed at start,
-offered with their schemas, called by the model, restarted after dying or hanging mid-call, ended
-with the run; over stdio and over streamable HTTP on 127.0.0.1."""
+offered with their schemas, called by the model; a server that dies or hangs ends the sample
+untrained (or, when failures are the task's, answers with an error and is started again); a
+tool's own error stays an observation; over stdio and over streamable HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,17 +20,18 @@ from typing import Any
 import pytest
 import respx
 
-pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'fsm-rollout-engine[mcp]')")
+pytest.importorskip("mcp", reason="the MCP SDK is not installed (the mcp extra)")
 
 from engine import slime, tools  # noqa: E402
-from engine.config import EngineConfig, RetryPolicy  # noqa: E402
+from engine.local.sample import Sample  # noqa: E402
+from engine.settings import EngineConfig, RetryPolicy  # noqa: E402
 from engine.loop.driver import drive, new_rollout  # noqa: E402
 from engine.loop.runtime import Runtime  # noqa: E402
-from engine.local.sample import Sample  # noqa: E402
 from engine.machine.rollout import Rollout  # noqa: E402
 from engine.tools import mcp_servers  # noqa: E402
 from tests.conftest import run  # noqa: E402
 from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, tok, turn  # noqa: E402
+from tests.support.mcp_http import http_mcp_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +60,25 @@ def alive(pid: int) -> bool:
     return True
 
 
-def rollout(script: list, servers: tuple[str, ...], *, during: Any = None, **kw: Any) -> tuple[Rollout, ScriptedServer]:
+def gone(pid: int, seconds: float = 10) -> bool:
+    """Whether `pid` is gone (or a zombie) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def rollout(script: list, servers: tuple[Any, ...], *, during: Any = None, failures: str = "unavailable",
+            **kw: Any) -> tuple[Rollout, ScriptedServer]:
     server = ScriptedServer(script)
     cfg = EngineConfig(server_url=URL, profile="chat", max_context_len=8192, retry=RetryPolicy(max_attempts=1),
-                       mcp_servers=servers, **kw)
+                       plugin_settings=[mcp_servers.McpSettings(servers=servers, failures=failures)], **kw)
 
     async def go() -> Rollout:
         with respx.mock(assert_all_called=False) as mock:
@@ -98,11 +114,14 @@ def test_the_model_calls_a_stdio_servers_tool_offered_with_its_schema():
     assert isinstance(tools.get("add"), mcp_servers.McpTool)
 
 
-def test_a_server_killed_mid_call_answers_with_an_error_and_is_restarted_for_the_next_call(tmp_path):
-    pidfile = tmp_path / "pid"
-    spec = f"{SERVER} --pidfile {pidfile}"
-    killed: list[int] = []
+def test_a_tools_own_error_result_stays_an_observation():
+    r, _ = rollout([turn(call("fail", reason="no such file")), turn("I could not.")], (SERVER,), tools=("fail",))
+    assert (r.state, r.record.reason) == ("COMPLETED", "answered")
+    assert "cannot do that: no such file" in observations(r)[0]
+    assert r.record.tools.errors == {"tool_error": 1}
 
+
+def _kill_when_the_call_starts(pidfile: Path, killed: list[int]) -> Any:
     async def kill_mid_call(r: Rollout) -> None:
         deadline = time.monotonic() + 60
         while not pidfile.exists() and time.monotonic() < deadline:
@@ -112,49 +131,88 @@ def test_a_server_killed_mid_call_answers_with_an_error_and_is_restarted_for_the
         os.kill(pid, signal.SIGKILL)  # the server dies while the call waits for it
         killed.append(pid)
 
+    return kill_mid_call
+
+
+def test_a_server_killed_mid_call_ends_the_sample_untrained(tmp_path):
+    pidfile = tmp_path / "pid"
+    killed: list[int] = []
+    script = [turn(call("slow_echo", text="hi", seconds=60)), turn("Never asked.")]
+    r, server = rollout(script, (f"{SERVER} --pidfile {pidfile}",), during=_kill_when_the_call_starts(pidfile, killed),
+                        tools=("slow_echo",), tool_timeout=30)
+    assert (r.state, r.record.reason) == ("FAILED", "tool_unavailable")
+    assert r.record.error == "tool slow_echo cannot work: MCP server 'engine-test' was killed by SIGKILL"
+    assert len(server.requests) == 1  # nothing of the failure reached the model
+    assert observations(r) == []
+
+
+def test_when_failures_are_the_tasks_a_killed_server_answers_with_an_error_and_is_restarted(tmp_path):
+    pidfile = tmp_path / "pid"
+    killed: list[int] = []
     script = [turn(call("slow_echo", text="hi", seconds=60)), turn(call("slow_echo", text="again", seconds=0)), turn("Done.")]
-    r, _ = rollout(script, (spec,), during=kill_mid_call, tools=("slow_echo",), tool_timeout=30)
+    r, _ = rollout(script, (f"{SERVER} --pidfile {pidfile}",), during=_kill_when_the_call_starts(pidfile, killed),
+                   tools=("slow_echo",), tool_timeout=30, failures="observation")
     assert r.state == "COMPLETED"
     first, second = observations(r)
-    assert "Error: slow_echo: MCP server" in first and "failed" in first
+    assert "Error: slow_echo: MCP server 'engine-test' was killed by SIGKILL" in first
     assert "echo: again" in second  # a new server answered the next call
     assert r.record.tools.errors == {"server_error": 1}
     restarted = int(pidfile.read_text())
     assert restarted != killed[0]
-    deadline = time.monotonic() + 10
-    while alive(restarted) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(restarted)  # ended with the run
+    assert gone(restarted)  # ended with the run
 
 
-def test_a_hung_server_times_out_and_is_restarted(tmp_path):
+def test_a_slow_call_of_a_live_server_times_out_and_the_server_keeps_serving(tmp_path):
+    """The call times out; the server answers a ping, so it is not ended: the next call reaches it."""
     pidfile = tmp_path / "pid"
-    spec = f"{SERVER} --pidfile {pidfile}"
-    script = [turn(call("slow_echo", text="hi", seconds=60)), turn(call("add", a=1, b=1)), turn("Done.")]
-    r, _ = rollout(script, (spec,), tools=("slow_echo", "add"), tool_timeout=5)
+    script = [turn(call("slow_echo", text="hi", seconds=60)), turn(call("slow_echo", text="there", seconds=0)), turn("Done.")]
+    r, _ = rollout(script, (f"{SERVER} --pidfile {pidfile}",), tools=("slow_echo",), tool_timeout=8,
+                   failures="observation")
     first, second = observations(r)
-    assert "Error: slow_echo timed out after 5 seconds" in first and "2" in second
+    assert "Error: slow_echo: MCP server 'engine-test' did not answer within 8 seconds" in first
+    assert "echo: there" in second
     assert r.record.tools.errors == {"timeout": 1}
-    assert not alive(int(pidfile.read_text()))  # the hung server was ended
+    assert gone(int(pidfile.read_text()))  # the one server, ended with the run
+
+
+def test_a_timed_out_call_ends_the_sample_untrained_by_default(tmp_path):
+    pidfile = tmp_path / "pid"
+    r, server = rollout([turn(call("slow_echo", text="hi", seconds=60)), turn("Never asked.")],
+                        (f"{SERVER} --pidfile {pidfile}",), tools=("slow_echo",), tool_timeout=8)
+    assert (r.state, r.record.reason) == ("FAILED", "tool_unavailable")
+    assert r.record.error == "tool slow_echo cannot work: MCP server 'engine-test' did not answer within 8 seconds"
+    assert len(server.requests) == 1
+    assert gone(int(pidfile.read_text()))
+
+
+def test_a_crashing_server_says_how_it_ended():
+    r, _ = rollout([turn(call("crash")), turn("Never asked.")], (SERVER,), tools=("crash",))
+    assert (r.state, r.record.reason) == ("FAILED", "tool_unavailable")
+    assert r.record.error == "tool crash cannot work: MCP server 'engine-test' exited with status 3"
 
 
 def test_an_invalid_schema_or_name_skips_that_tool_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="engine.tools.mcp_servers"):
-        names = mcp_servers.register_servers((RAW_SERVER, SERVER), 30)
-    assert names == ["ok_echo", "add", "slow_echo"]
+        names = mcp_servers.register_servers((RAW_SERVER, SERVER), 30, 30)
+    assert names[:3] == ["ok_echo", "add", "slow_echo"]
     warnings = [rec.getMessage() for rec in caplog.records]
     assert len(warnings) == 3
-    assert any("'bad_properties' skipped: its input schema's properties are not a mapping of schemas" in w for w in warnings)
+    assert any("MCP server 'raw': tool 'bad_properties' skipped: its input schema's properties are not a mapping of schemas" in w
+               for w in warnings)
     assert any("'bad_type' skipped: its input schema has type 'array', not 'object'" in w for w in warnings)
-    assert any("'Not-A-State' skipped" in w for w in warnings)
+    assert any("MCP server 'engine-test': tool 'Not-A-State' skipped" in w for w in warnings)
+    assert tools.get("ok_echo").lenient and not tools.get("add").lenient  # type: ignore[union-attr]
     # the good tool of that server still works, through the SDK
     r, _ = rollout([turn(call("ok_echo", text="hey")), turn("ok")], (RAW_SERVER,), tools=("ok_echo",))
     assert "echo: hey" in observations(r)[0]
 
 
 def test_a_name_clash_is_one_error_naming_both():
-    with pytest.raises(ValueError, match=r"tool name clash: MCP server '.*--prefix x_.*' lists 'x_add', which MCP server '.*--prefix x_'"):
-        mcp_servers.register_servers((f"{SERVER} --prefix x_", f"{SERVER} --prefix x_ --pidfile /dev/null"), 30)
+    with pytest.raises(ValueError, match=r"tool name clash: MCP server 'engine-test' lists 'x_add', which MCP server 'engine-test'"):
+        mcp_servers.register_servers((f"{SERVER} --prefix x_", f"{SERVER} --prefix x_ --pidfile /dev/null"), 30, 30)
+    with pytest.raises(ValueError, match=r"tool name clash: MCP server 'second' lists 'w_add', which MCP server 'first'"):
+        mcp_servers.register_servers(({"name": "first", "command": f"{SERVER} --prefix w_"},
+                                      {"name": "second", "command": f"{SERVER} --prefix w_ --tag 2"}), 30, 30)
 
     @tools.tool(name="y_add")
     async def y_add(a: int) -> str:
@@ -163,44 +221,41 @@ def test_a_name_clash_is_one_error_naming_both():
 
     try:
         with pytest.raises(ValueError, match=r"lists 'y_add', which the tool tests\.tools\.test_mcp_servers\.test_a_name_clash_is_one_error_naming_both\.<locals>\.y_add already has"):
-            mcp_servers.register_servers((f"{SERVER} --prefix y_",), 30)
+            mcp_servers.register_servers((f"{SERVER} --prefix y_",), 30, 30)
     finally:
         tools.registry.unregister("y_add")
 
 
 def test_a_server_that_cannot_start_is_a_setup_error_for_every_sample():
     sample = Sample(prompt=MESSAGES)
-    args = make_args(engine_profile="chat", engine_mcp_servers=["/nonexistent/mcp-server --stdio"])
+    args = make_args(engine_profile="chat", engine_mcp_servers=["/nonexistent/mcp-server --stdio --token s3cr3t-value"])
     run(slime.generate(args, sample, dict(SAMPLING)))
     fsm = sample.metadata["fsm"]
     assert fsm["termination_reason"] == "engine_setup_failed"
-    assert "MCP server '/nonexistent/mcp-server --stdio' cannot be reached" in fsm["engine_error"]
+    assert "MCP server 'mcp-server' could not start (FileNotFoundError: No such file or directory)" in fsm["engine_error"]
+    assert "s3cr3t" not in json.dumps(sample.metadata)  # never the command line
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_a_server_that_exits_at_start_says_how():
+    quitter = {"name": "quitter", "command": [sys.executable, "-c", "import sys; sys.exit(7)"]}
+    with pytest.raises(ValueError, match=r"^MCP server 'quitter' could not start \(exited with status 7\)$"):
+        mcp_servers.register_servers((quitter,), 30, 30)
+
+
+def test_listing_is_bounded_by_its_own_setting(tmp_path):
+    """A server that never answers `initialize` (it sleeps before speaking) fails the start after
+    engine_mcp_list_timeout, whatever the tool timeout says."""
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(600)'"
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"MCP server 'python\S*' did not list its tools within 2 seconds"):
+        mcp_servers.register_servers((sleeper,), 2, 30)
+    assert time.monotonic() - started < 2 + 10  # the listing's limit, plus the close and a loaded machine
 
 
 @pytest.fixture
 def http_server() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SUPPORT / "mcp_server.py"), "--http", str(port), "--prefix", "h_"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if proc.poll() is not None:
-                pytest.fail("the HTTP MCP server exited at start")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    with http_mcp_server("--prefix", "h_") as url:
+        yield url
 
 
 def test_the_model_calls_a_tool_of_a_streamable_http_server(http_server):
@@ -208,3 +263,21 @@ def test_the_model_calls_a_tool_of_a_streamable_http_server(http_server):
     assert r.state == "COMPLETED"
     assert "<tool_response>\n42\n</tool_response>" in observations(r)[0]
     assert ("TOOL_CALL", "dispatch", "TOOL_H_ADD") in [tuple(e) for e in r.record.trace]
+
+
+def test_an_http_server_that_went_down_ends_the_sample_untrained(http_server):
+    mcp_servers.register_servers((http_server,), 30, 30)
+    port = int(http_server.rsplit(":", 1)[1].split("/")[0])
+    with socket.socket() as s:  # the server is still up; now take it down
+        assert s.connect_ex(("127.0.0.1", port)) == 0
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"--http\x00" + str(port).encode() in cmdline:
+            os.kill(pid, signal.SIGKILL)
+    r, _ = rollout([turn(call("h_add", a=1, b=2)), turn("Never asked.")], (http_server,), tools=("h_add",), tool_timeout=10)
+    assert (r.state, r.record.reason) == ("FAILED", "tool_unavailable")
+    assert r.record.error == ("tool h_add cannot work: MCP server 'engine-test' could not start "
+                              "(ConnectError: All connection attempts failed)")

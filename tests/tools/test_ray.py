@@ -29,7 +29,7 @@ import attrs
 import pytest
 
 from engine import tools
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.local.bench.rollout import PROMPT, SAMPLING
 from engine.local.bench.server import CannedServer, scenario
 from engine.local.invariants import sample_violations

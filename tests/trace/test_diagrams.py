@@ -403,7 +403,8 @@ def _without_pygraphviz(*argv: str, cwd: Path) -> Any:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
-NOTE = "SVG drawings need pygraphviz, which is not installed: pip install 'fsm-rollout-engine[diagrams]'"
+NOTE = ("SVG drawings need pygraphviz, which is not installed: pip install pygraphviz "
+        "(or, in the engine's checkout, pip install -e '.[diagrams]')")
 
 
 def test_diagram_without_pygraphviz_writes_the_mermaid_and_names_the_extra(tmp_path: Path) -> None:
@@ -426,3 +427,25 @@ def test_trace_and_flow_out_svg_without_pygraphviz_write_the_mermaid_beside_it(j
     assert not (tmp_path / "drawing.svg").exists()
     assert "\nstateDiagram-v2\n" in (tmp_path / "drawing.mmd").read_text()
     assert "wrote drawing.mmd" in done.stdout
+
+
+def test_a_cut_last_line_is_skipped_with_one_warning_naming_it(jsonl: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A run stopped mid-write leaves its last line cut: trace and flow read the rest and say which line."""
+    lines = jsonl.read_text(encoding="utf-8").splitlines()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:-1] + [lines[-1][: len(lines[-1]) // 2]]) + "\n", encoding="utf-8")
+    assert main_flow(argparse.Namespace(file=str(cut), out=None)) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: {cut}: line {len(lines)}, the last, is cut off (its writer was stopped mid-line): "
+                        f"skipped; read the {len(lines) - 1} line(s) before it"]
+    assert f"{len(lines) - 1} samples of cut.jsonl" in captured.out
+    assert main_trace(argparse.Namespace(file=str(cut), position=-1, out=None)) == 0
+    assert capsys.readouterr().err.count("warning:") == 1
+    # a cut line with lines after it is not a stopped writer: the file is refused, naming that line
+    middle = tmp_path / "middle.jsonl"
+    middle.write_text("\n".join([lines[0], lines[1][:40], *lines[2:]]) + "\n", encoding="utf-8")
+    assert main_flow(argparse.Namespace(file=str(middle), out=None)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {middle}: not a rollout JSONL or a slime dump (line 2 is not JSON (")

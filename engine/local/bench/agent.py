@@ -54,7 +54,7 @@ def agent_scenario(tokenizer: Any, turns: int) -> dict[str, Any]:
 
 
 def _config(server: CannedServer, sizes: Sizes, **kw: Any) -> Any:
-    from engine.config import EngineConfig, RetryPolicy
+    from engine.settings import EngineConfig, RetryPolicy
 
     return EngineConfig(server_url=server.url(SCENARIO), profile="chat", max_context_len=1 << 20,
                         max_turns=sizes.agent_turns + 2, max_tool_calls=sizes.agent_turns + 2, tools=("add",),

@@ -24,7 +24,7 @@ from typing import Any
 
 from engine.machine import actions as a
 from engine.local.bench.common import Figure, Sizes, median
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.machine.states import TERMINALS, State
 from engine.machine.table import Edge, RolloutMachine, get_machine
 from engine.profiles.base import ToolCall, Turn

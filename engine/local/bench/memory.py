@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from engine.config import EngineConfig, RetryPolicy
+from engine.settings import EngineConfig, RetryPolicy
 from engine.local.bench.common import Figure, Sizes
 from engine.machine import actions as a
 from engine.machine.rollout import Inputs, Rollout, TurnScratch

@@ -56,7 +56,7 @@ def ray_figures(sizes: Sizes) -> list[Figure]:
     """Start a two-node cluster, measure both rows, stop everything; an info row without ray."""
     if importlib.util.find_spec("ray") is None:
         return [Figure("ray_spread", "sandbox on Ray: skipped, `ray` is not installed", math.nan, "s", None, "-",
-                       None, None, None, 0, {"skipped": "pip install 'fsm-rollout-engine[ray]'"})]
+                       None, None, None, 0, {"skipped": "pip install -e '.[ray]' in the checkout"})]
     from engine.local.cluster import loopback_cluster
 
     rs = RaySizes.of(sizes)

@@ -10,6 +10,9 @@ client must and nothing else (no machine, no reply parsing, no tokenizer):
   with its size: this is the fastest way to use it);
 - the bare loop on the engine's pool: the same loop on the engine's own `HttpPool` (httpx's
   client over the engine's transport), so it and the engine differ by the engine's work alone;
+- the bare loop on the engine's transport: the same requests handed to the transport directly,
+  without httpx's client, so it and the loop on the pool differ by what httpx's public
+  `AsyncClient.send` costs (the engine pays it: it touches nothing private of httpx);
 - the bare aiohttp loop: aiohttp's own client, bodies encoded once: the fastest general client.
 
 Both engine and floors hold their concurrency slot for a whole sample, as slime's semaphore
@@ -31,24 +34,28 @@ import attrs
 import httpx
 
 from engine.aio import Gate
-from engine.config import EngineConfig
+from engine.settings import EngineConfig
 from engine.local.bench.common import Figure, Sizes, instant_interpreter, median
 from engine.local.bench.server import ROUTING_HEADER, CannedServer
 from engine.local.sample import Sample
 from engine.loop.runtime import Runtime, full_collections
-from engine.sglang.client import make_http_client
+from engine.sglang.client import IDENTITY, make_http_client
+from engine.sglang.http1 import AsyncioTransport
+from engine.sglang.wire import dumps
 from engine.slime import run_sample
 from engine.slime.sample_io import engine_metadata
 
 PROMPT = "What is 0.5 + 0.5? Check it with Python before you answer."
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1024, "no_stop_trim": True, "skip_special_tokens": False}
 ENGINE, BARE_HTTPX, BARE_CHOSEN, BARE_AIOHTTP = "engine", "bare_httpx", "bare_chosen", "bare_aiohttp"
-TRANSPORT = "httpx over the engine's transport"  # what the engine's requests go through
+BARE_TRANSPORT = "bare_transport"
+TRANSPORT = "httpx's public client over the engine's transport"  # what the engine's requests go through
 HTTPX_SHARD = 4  # connections per client of the bare httpx loop
 
 
-def bench_config(url: str, *, turns: int, connections: int, tool_concurrency: int = 32) -> EngineConfig:
-    """Settings that let every sample take exactly `turns` turns (T-1 tool calls, then the answer)."""
+def bench_config(url: str, *, turns: int, connections: int, tool_concurrency: int | None = None) -> EngineConfig:
+    """Settings that let every sample take exactly `turns` turns (T-1 tool calls, then the answer);
+    `tool_concurrency` None: the engine's default."""
     return EngineConfig(
         server_url=url, profile="retool", max_turns=turns, max_tool_calls=max(turns, 1),
         max_connections=connections, tool_concurrency=tool_concurrency,
@@ -130,7 +137,7 @@ async def run_floor(http: Any, url: str, payloads: list[dict[str, Any]], server:
                     n: int, concurrency: int, tag: str, *, connections: int, tick: bool = False) -> Run:
     """The same request sequence per sample with nothing but the HTTP client: post, read, next turn.
 
-    `http` is the engine's own `HttpPool` or an `HttpxFloor`: anything with an httpx-style
+    `http` is the engine's own `HttpPool`, an `HttpxFloor` or a `TransportFloor`: anything with an httpx-style
     `post`. The body is `json=`, as a user writes it first.
     """
     slots = asyncio.Semaphore(concurrency)
@@ -175,6 +182,30 @@ class HttpxFloor:
         """Close every client."""
         for client in self.clients:
             await client.aclose()
+
+
+class TransportFloor:
+    """The engine's transport called directly (`handle_async_request`), no client above it."""
+
+    def __init__(self, connections: int, timeout: httpx.Timeout) -> None:
+        self.transport = AsyncioTransport(connections)
+        self.gate = Gate(connections)
+        self.timeouts = timeout.as_dict()
+
+    async def post(self, url: str, *, json: Any, headers: dict[str, str]) -> httpx.Response:
+        """The request the pool would build, sent by the transport, its body read."""
+        request = httpx.Request("POST", url, headers={**IDENTITY, "Content-Type": "application/json", **headers},
+                                content=dumps(json), extensions={"timeout": self.timeouts})
+        await self.gate.acquire()
+        try:
+            response = await self.transport.handle_async_request(request)
+            await response.aread()
+            return response
+        finally:
+            self.gate.release()
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
 
 
 class AiohttpFloor:
@@ -244,7 +275,7 @@ class Sides:
     requests_per_sample: int
 
 
-SIDES = [ENGINE, BARE_HTTPX, BARE_CHOSEN, BARE_AIOHTTP]
+SIDES = [ENGINE, BARE_HTTPX, BARE_CHOSEN, BARE_TRANSPORT, BARE_AIOHTTP]
 
 
 async def measure_sides(server: CannedServer, tokenizer: Any, *, scenario: str, samples: int, turns: int,
@@ -259,7 +290,8 @@ async def measure_sides(server: CannedServer, tokenizer: Any, *, scenario: str, 
     url = cfg.server_url + "/generate"
     engines = {ENGINE: Runtime.create(cfg, tokenizer=tokenizer)}
     timeout = httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout)
-    pools: dict[str, Any] = {BARE_HTTPX: HttpxFloor(connections, timeout), BARE_CHOSEN: make_http_client(cfg)}
+    pools: dict[str, Any] = {BARE_HTTPX: HttpxFloor(connections, timeout), BARE_CHOSEN: make_http_client(cfg),
+                             BARE_TRANSPORT: TransportFloor(connections, timeout)}
     aio = AiohttpFloor(connections)
 
     async def run_side(name: str, n: int, tag: str, ticking: bool) -> Run:
@@ -326,6 +358,9 @@ async def rollout_figures(server: CannedServer, tokenizer: Any, sizes: Sizes) ->
         Figure("floor_chosen", "floor: bare loop on the engine's pool (httpx's client, the engine's transport)",
                chosen[cpu], "us", httpx_floor[cpu],
                "bare httpx loop", None, None, None, sizes.repeats),
+        Figure("floor_transport", "floor: bare loop on the engine's transport, without httpx's client",
+               s[BARE_TRANSPORT][cpu], "us", chosen[cpu], "bare loop on the engine's pool", None, None, None,
+               sizes.repeats, {"httpx_client_us_per_turn": chosen[cpu] - s[BARE_TRANSPORT][cpu]}),
         Figure("floor_aiohttp", "floor: bare aiohttp loop (bodies encoded once)", aio[cpu], "us", httpx_floor[cpu],
                "bare httpx loop", None, None, None, sizes.repeats),
     ]

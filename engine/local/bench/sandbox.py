@@ -84,15 +84,27 @@ def _children_cpu() -> float:
 
 
 def _zygote_cpu() -> float:
+    """CPU seconds of the zygote and of its children (the forker, which reaps every run, so the
+    runs' time is in its own children's): each with what it reaped."""
     z = client.current()
     if z is None:
         return 0.0
+    pids = [z.proc.pid]
     try:
-        with open(f"/proc/{z.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        for tid in os.listdir(f"/proc/{z.proc.pid}/task"):
+            with open(f"/proc/{z.proc.pid}/task/{tid}/children") as f:
+                pids += [int(p) for p in f.read().split()]
     except OSError:
-        return 0.0
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+        pass
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+    return total
 
 
 def _cpu_now() -> float:
@@ -213,7 +225,7 @@ async def sandbox_figures(sizes: Sizes) -> list[Figure]:
     for name in (BARE, "sandbox", BARE):  # the floor on both sides: the box is shared
         rates.setdefault(name, []).append(await _throughput(kinds[name], 32, total))
     figures.append(Figure("sandbox_throughput", f"sandbox print(1) calls/s, 32 concurrent, {total} calls",
-                          rates["sandbox"][0], "calls/s", median(rates[BARE]), f"{BARE} calls/s", "value", ">=", 100.0,
+                          rates["sandbox"][0], "calls/s", median(rates[BARE]), f"{BARE} calls/s", "value", ">=", 250.0,
                           1, {"bare runs": [round(r, 1) for r in rates[BARE]]}))
     for samples, calls, seconds, target in ((16, 1, 1.0, 1.2), (64, 2, 0.5, 1.5)):
         wall = await _schedule(samples, calls, seconds)
@@ -235,14 +247,20 @@ def probe_isolation() -> dict[str, Any]:
 
 
 async def latency_ratio(runs: int) -> dict[str, Any]:
-    """Figure 4's first line alone: p50 of `print(1)` in the sandbox and of a bare interpreter
-    start, their ratio, and the sandbox's mode and layers."""
+    """Figure 4 in one mode: p50 of `print(1)` in the sandbox and of a bare interpreter start,
+    their ratio, calls per second of each at 32 concurrent (the bare floor measured before and
+    after), and the sandbox's mode and layers."""
     times, _ = await _latency_and_cpu(runs)
     p50 = {name: percentile(t, 50) * 1e3 for name, t in times.items()}
+    kinds, total = _kinds(), max(64, 2 * runs)
+    rates: dict[str, list[float]] = {}
+    for name in (BARE, "sandbox", BARE):  # the floor on both sides: the box is shared
+        rates.setdefault(name, []).append(await _throughput(kinds[name], 32, total))
     iso = capabilities()
     return {"mode": iso["mode"], "landlock": iso["landlock"], "seccomp": iso["seccomp"], "runs": runs,
             "sandbox_p50_ms": round(p50["sandbox"], 2), "bare_p50_ms": round(p50[BARE], 2),
-            "ratio": round(p50["sandbox"] / p50[BARE], 3)}
+            "ratio": round(p50["sandbox"] / p50[BARE], 3), "sandbox_calls_s": round(rates["sandbox"][0], 1),
+            "bare_calls_s": round(median(rates[BARE]), 1)}
 
 
 def latency_in_modes(runs: int) -> list[dict[str, Any]]:
@@ -287,11 +305,12 @@ def main() -> int:
         print(json.dumps(asyncio.run(latency_ratio(sizes.sandbox_runs))))
         return 0
     if ns.modes:
-        print(f"| mode | sandbox print(1) p50 ms | {BARE} p50 ms | ratio | landlock | seccomp |")
-        print("|---|---|---|---|---|---|")
+        print(f"| mode | sandbox print(1) p50 ms | {BARE} p50 ms | ratio | sandbox calls/s, 32 concurrent | "
+              f"{BARE} calls/s | Landlock ABI | seccomp |")
+        print("|---|---|---|---|---|---|---|---|")
         for row in latency_in_modes(sizes.sandbox_runs):
             print(f"| {row['mode']} | {row['sandbox_p50_ms']} | {row['bare_p50_ms']} | {row['ratio']} | "
-                  f"{row['landlock']} | {row['seccomp']} |")
+                  f"{row['sandbox_calls_s']} | {row['bare_calls_s']} | {row['landlock']} | {row['seccomp']} |")
         return 0
     figures = asyncio.run(sandbox_figures(sizes))
     for number, figure in enumerate(figures):

@@ -1,24 +1,33 @@
-"""Tool-call formats by SGLang's `--tool-call-parser` names: which text is a call, and its arguments.
+"""Tool-call and reasoning formats by SGLang's names: which text of a turn is reasoning, which a call, and its arguments.
 
-Membership: code that reads one model turn's text into content and calls, one family per module.
+Membership: code that reads one model turn's text into reasoning, content and calls, one family
+per module. A turn is split by the reasoning parser (`--reasoning-parser` names, `reasoning`),
+then the rest is read by the tool-call parser (`--tool-call-parser` names), as SGLang serves it.
 Parsers plug in by registration, as tools and profiles do:
 `register_tool_parser("mine", MyParser())` (or "module:attr", imported on first use) in a
-module named in `engine_tool_modules`, then `engine_tool_parser: mine`. Any other SGLang name
-works through SGLang's own detector where SGLang is importable.
+module named in `engine_tool_modules`, then `engine_tool_parser: mine`; likewise
+`register_reasoning_parser`. Any other SGLang name works through SGLang's own parser where
+SGLang is importable.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 from collections.abc import Callable
 from typing import Any
 
+from engine.logs import log_once
+from engine.profiles.base import TurnReading
 from engine.profiles.parsers.base import ParsedTurn, Schemas, ToolParser
 from engine.profiles.parsers.harmony import HarmonyParser
 from engine.profiles.parsers.json_calls import DeepSeekParser, HermesParser, KimiK2Parser, Llama3Parser, MistralParser
 from engine.profiles.parsers.pythonic import PythonicParser
+from engine.profiles.parsers.registry import ParserRegistry
+from engine.profiles.parsers.reasoning import (
+    NONE, ReasoningParser, default_reasoning_parser, detect_reasoning_parser, get_reasoning_parser, opens_reasoning,
+    reasoning_parser_names, register_reasoning_parser,
+)
 from engine.profiles.parsers.sglang import SGLangDetectorParser, sglang_parser_names
 from engine.profiles.parsers.tagged import GlmParser, MiniMaxM2Parser, Qwen3CoderParser
 
@@ -44,50 +53,28 @@ _NATIVE: dict[str, Callable[[], ToolParser]] = {
     "gpt-oss": HarmonyParser,
     "minimax-m2": MiniMaxM2Parser,
 }
-_REGISTERED: dict[str, ToolParser | str] = {}
-_BUILT: dict[str, ToolParser] = {}
+_TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry("tool parser", _NATIVE, sglang_parser_names, SGLangDetectorParser)
 
 
 def register_tool_parser(name: str, parser: ToolParser | str, *, replace: bool = False) -> None:
     """Make `engine_tool_parser: name` read turns with `parser` (an object with `parse(text, schemas)`,
     or "module:attr" naming one, imported on first use)."""
-    if (name in _REGISTERED or name in _NATIVE) and not replace:
-        raise ValueError(f"a tool parser named {name!r} is already registered")
-    _REGISTERED[name] = parser
-    _BUILT.pop(name, None)
+    _TOOL_PARSERS.register(name, parser, replace=replace)
 
 
 def native_parser_names() -> tuple[str, ...]:
     """The names read by the engine itself (SGLang not needed), sorted."""
-    return tuple(sorted(set(_NATIVE) | set(_REGISTERED)))
+    return _TOOL_PARSERS.native_names()
 
 
 def tool_parser_names() -> tuple[str, ...]:
     """Every name `engine_tool_parser` accepts here: native, registered, and SGLang's where importable."""
-    return tuple(sorted(set(native_parser_names()) | set(sglang_parser_names())))
+    return _TOOL_PARSERS.names()
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as `name`; ValueError (one line listing the known names) otherwise."""
-    parser = _BUILT.get(name)
-    if parser is not None:
-        return parser
-    if name in _REGISTERED:
-        entry = _REGISTERED[name]
-        if isinstance(entry, str):
-            module, _, attr = entry.partition(":")
-            entry = getattr(importlib.import_module(module), attr)
-            entry = entry() if isinstance(entry, type) else entry
-        parser = entry
-    elif name in _NATIVE:
-        parser = _NATIVE[name]()
-    elif name in sglang_parser_names():
-        parser = SGLangDetectorParser(name)
-    else:
-        more = "" if sglang_parser_names() else " (SGLang's other names need sglang importable)"
-        raise ValueError(f"unknown tool parser {name!r}: known are {', '.join(tool_parser_names())}{more}")
-    _BUILT[name] = parser
-    return parser
+    return _TOOL_PARSERS.get(name)
 
 
 # Markers of each family in a chat template, most specific first: the first found names the parser.
@@ -129,17 +116,8 @@ def default_tool_parser(tokenizer: Any) -> str:
     found = detect_tool_parser(template if isinstance(template, str) else None)
     name = found or DEFAULT
     how = "from the chat template" if found else "the default: the chat template names no known format"
-    _log_once(f"tool parser {name} ({how}); set engine_tool_parser to choose")
+    log_once(f"tool parser {name} ({how}); set engine_tool_parser to choose", logging.INFO, log)
     return name
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(line: str) -> None:
-    if line not in _LOGGED:
-        _LOGGED.add(line)
-        log.info(line)
 
 
 def _family(parser: ToolParser) -> tuple[str, Any]:
@@ -147,20 +125,13 @@ def _family(parser: ToolParser) -> tuple[str, Any]:
     return type(parser).__name__, getattr(parser, "v31", None)
 
 
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, the rest): `<think>...</think>` blocks (the opening tag may be in the prompt),
-    and a block still open at the end of the turn. A call written there is not run."""
-    reasoning = ""
-    at = text.rfind(_THINK_CLOSE)
-    if at >= 0:
-        reasoning, text = text[: at + len(_THINK_CLOSE)], text[at + len(_THINK_CLOSE):]
-    opened = text.find(_THINK_OPEN)
-    if opened >= 0:
-        reasoning, text = reasoning + text[opened:], text[:opened]
-    return reasoning, text
+def read_turn(text: str, tool_parser: ToolParser, reasoning: ReasoningParser | None, schemas: Schemas, *,
+              forced: bool = False) -> TurnReading:
+    """One model turn as SGLang serves it: the reasoning split off (`forced`: the prompt opened it),
+    then calls and content read from the rest."""
+    thought, rest = reasoning.split(text, forced) if reasoning is not None else ("", text)
+    parsed = tool_parser.parse(rest, schemas)
+    return TurnReading(thought, parsed.content, parsed.calls)
 
 
 def foreign_format(text: str, configured: str, schemas: Schemas, *, offered: bool = False) -> str | None:
@@ -186,6 +157,8 @@ def foreign_format(text: str, configured: str, schemas: Schemas, *, offered: boo
 
 
 __all__ = [
-    "DEFAULT", "ParsedTurn", "Schemas", "ToolParser", "default_tool_parser", "detect_tool_parser", "foreign_format",
-    "get_tool_parser", "native_parser_names", "register_tool_parser", "split_reasoning", "tool_parser_names",
+    "DEFAULT", "NONE", "ParsedTurn", "ReasoningParser", "Schemas", "ToolParser", "default_reasoning_parser",
+    "default_tool_parser", "detect_reasoning_parser", "detect_tool_parser", "foreign_format", "get_reasoning_parser",
+    "get_tool_parser", "native_parser_names", "opens_reasoning", "read_turn", "reasoning_parser_names", "register_reasoning_parser",
+    "register_tool_parser", "tool_parser_names",
 ]

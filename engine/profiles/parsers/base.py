@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import attrs
 
 from engine.profiles.base import ToolCall
+from engine.profiles.parsers.values import BadArgument, Reading, arguments_schema, matching_branches, property_schema, read_value
 
 Schemas = Mapping[str, Any]  # tool name -> its JSON schema `parameters` (what typing reads)
 
@@ -29,7 +30,6 @@ class ToolParser(Protocol):
     """One family's tool-call format, under an SGLang `--tool-call-parser` name."""
 
     name: str
-    reasoning: bool  # whether `<think>...</think>` is split off before `parse` (harmony has its own channels)
     # Optional (read with a default of ()): special tokens other than the one the chat template
     # closes a turn with that also end the model's turn with calls (Llama 3.1's `<|eom_id|>`
     # beside the template's `<|eot_id|>`). A turn the server ended with one keeps it, and the
@@ -37,12 +37,8 @@ class ToolParser(Protocol):
     turn_ends: tuple[str, ...]
 
     def parse(self, text: str, schemas: Schemas) -> ParsedTurn:
-        """Read one turn (reasoning already split off). Never raises on any text."""
+        """Read one turn (what the reasoning parser leaves of it). Never raises on any text."""
         ...
-
-
-class BadArgument(ValueError):
-    """A value that does not fit its argument's schema; the message names the argument."""
 
 
 def malformed(detail: str, name: str = "") -> ToolCall:
@@ -67,6 +63,46 @@ def json_call(name: Any, arguments: Any, call_id: Any = None) -> ToolCall:
     return ToolCall(name, arguments, id=call_id if isinstance(call_id, str) and call_id else None)
 
 
+def calls_from_json_text(body: str, what: str) -> list[ToolCall]:
+    """The calls of one JSON text: an object `{"name", "arguments"|"parameters"}`, or an array of them."""
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        return [malformed(f"{what} is not valid JSON: {exc}")]
+    if isinstance(data, list):
+        if not data:
+            return [malformed(f"{what} is an empty array")]
+        return [_named_call(item, what) for item in data]
+    return [_named_call(data, what)]
+
+
+def _named_call(data: Any, what: str) -> ToolCall:
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return malformed(f'{what} must be a JSON object {{"name": ..., "arguments": {{...}}}} (or an array of them)')
+    arguments = data["arguments"] if "arguments" in data else data.get("parameters", {})
+    return json_call(data["name"], arguments)
+
+
+def properties_of(schemas: Schemas, tool: str) -> dict[str, Any]:
+    """The parameters `tool` declares: its schema's `properties`, or, for a root `anyOf`/`oneOf`/`allOf`
+    of object schemas, every branch's (the first declaration of a name wins)."""
+    return _properties(schemas.get(tool))
+
+
+def _properties(schema: Any) -> dict[str, Any]:
+    if not isinstance(schema, dict):
+        return {}
+    props = schema.get("properties")
+    if isinstance(props, dict):
+        return props
+    merged: dict[str, Any] = {}
+    for keyword in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(keyword) if isinstance(schema.get(keyword), list) else ():
+            for key, value in _properties(branch).items():
+                merged.setdefault(key, value)
+    return merged
+
+
 def call_from_json_text(body: str, what: str, name: str | None = None, call_id: str | None = None) -> ToolCall:
     """A call from JSON text: `{"name", "arguments"|"parameters"}`, or the arguments of `name`."""
     try:
@@ -75,101 +111,27 @@ def call_from_json_text(body: str, what: str, name: str | None = None, call_id: 
         return malformed(f"{what} is not valid JSON: {exc}", name or "")
     if name is not None:
         return json_call(name, data, call_id)
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return malformed(f'{what} must be a JSON object {{"name": ..., "arguments": {{...}}}}')
-    arguments = data["arguments"] if "arguments" in data else data.get("parameters", {})
-    return json_call(data["name"], arguments)
+    return _named_call(data, what)
 
 
-def schema_type(prop: Any) -> str | None:
-    """The JSON type a parameter's schema asks for (the first non-null one), or None if it says none."""
-    if not isinstance(prop, dict):
-        return None
-    kind = prop.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
-    if isinstance(kind, str):
-        return kind
-    for key in ("anyOf", "oneOf", "allOf"):
-        for branch in prop.get(key) or ():
-            found = schema_type(branch)
-            if found is not None and found != "null":
-                return found
-    enum = prop.get("enum")
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return "string"
-    if "properties" in prop:
-        return "object"
-    if "items" in prop:
-        return "array"
-    return None
+_AS_WRITTEN = Reading()
 
 
-def properties(schemas: Schemas, tool: str) -> dict[str, Any]:
-    """The declared parameters of `tool` ({} for a tool not offered or a schema without any)."""
-    params = schemas.get(tool)
-    props = params.get("properties") if isinstance(params, dict) else None
-    return props if isinstance(props, dict) else {}
-
-
-def typed_value(argument: str, raw: str, prop: Any, *, undeclared_json: bool = False) -> Any:
-    """A value the format wrote as text, typed by its parameter's schema.
-
-    A string parameter keeps the text as written. Numbers, booleans, objects and arrays are
-    read as JSON; a value that does not fit raises `BadArgument` naming the argument (SGLang
-    keeps such a value as a string or coerces it; the engine tells the model instead).
-    An undeclared parameter stays a string, or is read as JSON when it parses and the family
-    does so (`undeclared_json`, GLM).
-    """
-    kind = schema_type(prop)
-    if kind is None or kind == "string":
-        if kind is None and undeclared_json:
-            try:
-                return json.loads(raw)
-            except ValueError:
-                return raw
-        return raw
-    text = raw.strip()
-    if text.lower() == "null":
-        return None
-    if kind == "boolean":
-        if text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        raise BadArgument(f"argument {argument!r} must be true or false, got {_short(raw)}")
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = attrs.NOTHING
-    if kind == "integer":
-        if isinstance(value, float) and value.is_integer() and "." not in text and "e" not in text.lower():
-            value = int(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise BadArgument(f"argument {argument!r} must be an integer, got {_short(raw)}")
-    if kind == "number":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return value
-        raise BadArgument(f"argument {argument!r} must be a number, got {_short(raw)}")
-    if kind == "object" and isinstance(value, dict) or kind == "array" and isinstance(value, list):
-        return value
-    if kind in ("object", "array"):
-        raise BadArgument(f"argument {argument!r} must be a JSON {kind}, got {_short(raw)}")
-    return raw if value is attrs.NOTHING else value  # a type the engine does not know: JSON if it parses
-
-
-def typed_call(name: str, pairs: list[tuple[str, str]], schemas: Schemas, *, undeclared_json: bool = False) -> ToolCall:
-    """A call whose arguments the format wrote as (name, text) pairs, typed by the tool's schema."""
+def typed_call(name: str, pairs: list[tuple[str, str]], schemas: Schemas, reading: Reading = _AS_WRITTEN) -> ToolCall:
+    """A call whose arguments the format wrote as (name, text) pairs, each read by its parameter's
+    schema (`engine.profiles.parsers.values`) as `reading` says this family does."""
     name = name.strip()
     if not name:
         return malformed("a tool call needs a function name")
-    props = properties(schemas, name)
+    params = arguments_schema(schemas, name)
+    within = matching_branches(params, pairs, reading)  # a root union of object shapes: the ones this call picks
     arguments: dict[str, Any] = {}
     try:
         for key, raw in pairs:
             key = key.strip()
             if key in arguments:
                 raise BadArgument(f"argument {key!r} is given twice")
-            arguments[key] = typed_value(key, raw, props.get(key), undeclared_json=undeclared_json)
+            arguments[key] = read_value(key, raw, property_schema(params, key, within), params, reading)
     except BadArgument as exc:
         return ToolCall(name, error="bad_arguments", detail=f"{name}: {exc}")
     return ToolCall(name, arguments)
@@ -192,7 +154,3 @@ def split_blocks(text: str, start: str, end: str) -> tuple[str, list[str], bool]
             return "".join(outside), bodies, True
         bodies.append(text[s + len(start):e])
         pos = e + len(end)
-
-
-def _short(raw: str, limit: int = 60) -> str:
-    return repr(raw if len(raw) <= limit else raw[:limit] + "...")

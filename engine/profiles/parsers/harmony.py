@@ -2,7 +2,9 @@
 
 `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>commentary to=functions.NAME
 <|constrain|>json<|message|>{...}<|call|>`. The analysis channel is reasoning (never run, never
-content); a commentary message without a recipient (a preamble) and the final channel are
+content; the `gpt-oss` reasoning parser splits it off first, as SGLang's does): a function
+addressed there is no call, as for SGLang, since harmony calls functions on the commentary
+channel. A commentary message without a recipient (a preamble) and the final channel are
 content. The recipient may also stand before `<|channel|>`, and a call may be the turn's first
 message (SGLang's detector misses both).
 """
@@ -23,7 +25,6 @@ class HarmonyParser:
     """Reads each message of the turn by its channel and recipient."""
 
     name = "gpt-oss"
-    reasoning = False  # its own analysis channel
 
     def parse(self, text: str, schemas: Schemas) -> ParsedTurn:
         content: list[str] = []
@@ -31,6 +32,8 @@ class HarmonyParser:
         for header, body in _messages(text):
             recipient = _RECIPIENT.search(header)
             channel = _CHANNEL.search(header)
+            if channel is not None and channel.group(1) == "analysis":
+                continue  # reasoning, whoever it is addressed to
             if recipient is not None:
                 target = recipient.group(1)
                 if not target.startswith("functions."):
@@ -38,10 +41,9 @@ class HarmonyParser:
                     continue
                 name = target[len("functions."):]
                 calls.append(call_from_json_text(body.strip(), f"the arguments of {name}", name))
-            elif channel is None or channel.group(1) != "analysis":
-                if body.strip():
-                    content.append(body.strip())
-        return ParsedTurn(" ".join(content).strip(), tuple(calls))
+            else:
+                content.append(body)
+        return ParsedTurn("".join(content), tuple(calls))
 
 
 def _messages(text: str) -> list[tuple[str, str]]:

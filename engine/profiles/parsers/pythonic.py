@@ -16,13 +16,13 @@ class PythonicParser:
     """A Python list of keyword-argument calls anywhere in the turn; text around it is content."""
 
     name = "pythonic"
-    reasoning = True
 
     def parse(self, text: str, schemas: Schemas) -> ParsedTurn:
-        text = text.replace("<|python_start|>", "").replace("<|python_end|>", "")
+        raw = text
+        text = text.strip().replace("<|python_start|>", "").replace("<|python_end|>", "")
         start = _START.search(text)
         if start is None:
-            return ParsedTurn(text.strip())
+            return ParsedTurn(raw)
         s = start.start()
         for e in (m.end() for m in re.finditer(r"\]", text[s:])):
             try:
@@ -31,8 +31,8 @@ class PythonicParser:
                 continue
             if isinstance(tree, ast.List) and tree.elts and all(isinstance(c, ast.Call) for c in tree.elts):
                 calls = tuple(_call(c) for c in tree.elts)
-                return ParsedTurn((text[:s] + text[s + e:]).strip(), calls)
-        return ParsedTurn(text[:s].strip(), (malformed("the call list [name(key=value, ...)] is not valid Python"),))
+                return ParsedTurn(text[:s] + text[s + e:], calls)
+        return ParsedTurn(text[:s], (malformed("the call list [name(key=value, ...)] is not valid Python"),))
 
 
 def _call(node: ast.Call) -> ToolCall:

@@ -26,7 +26,6 @@ def sglang_parser_names() -> tuple[str, ...]:
 class SGLangDetectorParser:
     """A parser that asks SGLang's detector. Its calls are as SGLang reads them (unknown tools dropped)."""
 
-    reasoning = True
 
     def __init__(self, name: str) -> None:
         self.name = name

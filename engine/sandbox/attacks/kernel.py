@@ -27,6 +27,7 @@ from pathlib import Path
 
 import attrs
 
+from engine.sandbox import child
 from engine.sandbox import runner as sandbox
 from engine.sandbox.attacks.lab import PRELUDE, PROJECT, Lab, Verdict, alive, attack, processes
 
@@ -173,8 +174,10 @@ except OSError as e:
     _remove_litter(tag, pids)  # observed; now free what a weaker sandbox left on the host
     contained = all(mib * _MIB <= limit for mib in taken.values()) and peak <= limit + 32 * _MIB \
         and left <= 32 * _MIB
-    how = ("cgroup memory counts SysV, memfd and tmpfs pages; namespaces free them with the run"
-           if contained else "shared memory outside the run's budget")
+    refused = all(mib == 0 for mib in taken.values())
+    how = ("refused: SysV and memfd by seccomp, /dev/shm by Landlock or the read-only host" if contained and refused
+           else "cgroup memory counts SysV, memfd and tmpfs pages; namespaces free them with the run" if contained
+           else "shared memory outside the run's budget")
     got = ", ".join(f"{k} {taken[k]} MiB ({stops[k]})" for k in taken)
     return Verdict(contained, how, f"{got} of {target // _MIB} MiB tried, limit {limit // _MIB} MiB; host Shmem "
                    f"+{peak // _MIB} MiB at peak, +{left // _MIB} MiB after")
@@ -186,30 +189,14 @@ def _remove_litter(tag: str | None, pids: set[object]) -> None:
         if name.startswith(tag):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join("/dev/shm", name))
-    try:
-        with open("/proc/sysvipc/shm") as f:
-            header, *rows = f.read().splitlines()
-    except OSError:
-        return
-    cols = header.split()
-    for row in rows:
-        fields = dict(zip(cols, row.split()))
-        if int(fields["cpid"]) in pids:
+    for kind, fields in child.sysv_objects():
+        if kind == "shm" and int(fields["cpid"]) in pids:
             ctypes.CDLL(None).shmctl(int(fields["shmid"]), 0, None)  # IPC_RMID
 
 
 def _host_sysv(uids: range) -> list[str]:
     """The host's SysV objects owned by a sandbox uid (the host's IPC namespace)."""
-    found = []
-    for kind in ("shm", "msg", "sem"):
-        try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                header, *rows = f.read().splitlines()
-        except OSError:
-            continue
-        cols = header.split()
-        found += [f"{kind} {row.split()[1]}" for row in rows if int(dict(zip(cols, row.split()))["uid"]) in uids]
-    return found
+    return [f"{kind} {fields[child.SYSV_ID[kind]]}" for kind, fields in child.sysv_objects() if int(fields["uid"]) in uids]
 
 
 @attack("SysV segment read by a concurrent run")

@@ -142,3 +142,62 @@ report(**{{name: attempt(lambda p: open(p, 'rb').read(), f'/proc/{pid}/' + name)
     contained = all(v in DENIED for v in tries.values())
     return Verdict(contained, ", ".join(f"{k} -> {v}" for k, v in tries.items()),
                    "nothing of the engine read" if contained else "the engine's /proc entries are readable")
+
+
+@attack("system calls outside the allowlist")
+async def beyond_the_allowlist(lab: Lab) -> Verdict:
+    # Calls an old denylist did not name, and numbers no kernel has given out yet.
+    calls = {"mq_open": (240, b"attack-x", 0o102, 0o600, 0), "inotify_init1": (294, 0), "flock": (73, 1, 2),
+             "pidfd_open": (434, lab.engine_pid, 0), "cachestat": (451, 0, 0, 0, 0), "statmount": (457, 0, 0, 0, 0),
+             "mincore": (27, 0, 4096, 0), "sync": (162,), "file_setattr": (469, -100, b".", 0, 0, 0),
+             "future 470": (470,), "future 511": (511,)}
+    code = f"""
+import ctypes
+lib = ctypes.CDLL(None, use_errno=True)
+lib.syscall.restype = ctypes.c_long
+got = {{}}
+for name, args in {calls!r}.items():
+    got[name] = 'ok' if lib.syscall(*args) >= 0 else err(OSError(ctypes.get_errno(), ''))
+report(got=got)
+"""
+    got = (await lab.run(code)).facts.get("got", {})
+    through = [name for name, outcome in got.items() if outcome not in ("EPERM", "ENOSYS")]
+    contained = len(got) == len(calls) and not through
+    return Verdict(contained, f"seccomp default deny: {len(got) - len(through)} of {len(calls)} refused "
+                   f"({sorted(set(got.values()))})", f"allowed: {through or 'none'}")
+
+
+WORKS = """
+import asyncio, concurrent.futures, sqlite3, subprocess, sys, threading
+import numpy, sympy
+x = sympy.symbols('x')
+with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    squares = sum(pool.map(lambda i: i * i, range(10)))
+async def main():
+    return await asyncio.gather(*(asyncio.sleep(0.001, i) for i in range(3)))
+db = sqlite3.connect('t.db')
+db.execute('create table t (x)')
+db.execute('insert into t values (7)')
+db.commit()
+try:
+    child = subprocess.run([sys.executable, '-c', 'print(5)'], capture_output=True, text=True).stdout.strip()
+except OSError as e:
+    child = err(e)
+report(numpy=round(float(numpy.linalg.det(numpy.eye(3) * 2)), 6), sympy=str(sympy.solve(x**2 - 4, x)), threads=squares,
+       asyncio=asyncio.run(main()), sqlite=db.execute('select x from t').fetchall()[0][0],
+       subprocess=child)
+"""
+
+
+@attack("numpy, sympy, threads, asyncio and sqlite3 still work")
+async def still_works(lab: Lab) -> Verdict:
+    # Not an attack: the allowlist must leave ordinary scientific code alone (subprocess is shown,
+    # not judged: where the run's uid cannot reach the interpreter, the probe says so).
+    run = await lab.run(WORKS, timeout_s=60.0)
+    f = run.facts
+    want = {"numpy": 8.0, "sympy": "[-2, 2]", "threads": 285, "asyncio": [0, 1, 2], "sqlite": 7}
+    wrong = {k: f.get(k) for k, v in want.items() if f.get(k) != v}
+    error = (run.result.stderr.strip().splitlines() or [""])[-1][:120]
+    return Verdict(not wrong, "the allowlist leaves them alone" if not wrong else f"broken: {error}",
+                   f"{', '.join(want)} as expected{'' if not wrong else ' except ' + str(wrong)}; "
+                   f"subprocess python -> {f.get('subprocess')!r}")

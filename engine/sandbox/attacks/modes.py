@@ -1,6 +1,6 @@
 """The attack suite in the three modes an engine runs in, one column each.
 
-`python -m engine.sandbox.attacks.modes [--json] [--mode M ...]`, as root: runs
+`python -m engine.sandbox.attacks.modes [--json] [--report PATH] [--mode M ...]`, as root: runs
 `python -m engine attacks --json` once per mode in a process of its own and prints one table
 with a column per mode (exit 1 when an attack outside the mode's `EXPECTED_GAPS` got through):
 
@@ -9,9 +9,12 @@ with a column per mode (exit 1 when an attack outside the mode's `EXPECTED_GAPS`
   gives), by `setpriv --bounding-set=-sys_admin`;
 * `user`: an ordinary user (nobody), by `setpriv --reuid/--regid --clear-groups`. That user
   may not read the checkout (a clone under /root), so the `engine` package is copied to a
-  world-readable directory under /tmp and run from there; the interpreter is this one, or,
-  when that user cannot execute it (a pyenv install under a 0700 /root), a system
-  interpreter of the same version with this one's site-packages on PYTHONPATH.
+  world-readable directory under /tmp and run from there, with a venv of that user's own (as a
+  cluster user has: the user owns its interpreter's site-packages) made from this interpreter,
+  or, when that user cannot execute it (a pyenv install under a 0700 /root), from a system
+  interpreter of the same version. The venv holds links to this install's numpy, sympy and
+  mpmath, so sandboxed code imports them as it would as root; the engine's own dependencies
+  come from this one's site-packages on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ MODES = {
 # What no unprivileged mechanism holds (docs/sandbox-modes.md): expected to get through.
 EXPECTED_GAPS = {
     "root": set(),
-    "no-sys-admin": {"fill the disk"},
-    "user": {"fill the disk"},
+    "no-sys-admin": {"fill the disk", "size and owner of a hidden file (stat)"},
+    "user": {"fill the disk", "size and owner of a hidden file (stat)"},
 }
 TIMEOUT_S = 600
+SANDBOX_PACKAGES = ("numpy", "numpy.libs", "sympy", "mpmath")  # what the suite's code imports in the sandbox
 
 
 def _can_run(prefix: list[str], python: str, env: dict[str, str]) -> bool:
@@ -59,8 +63,35 @@ def _site_dirs() -> list[str]:
     return list(dict.fromkeys(paths[k] for k in ("purelib", "platlib") if os.path.isdir(paths[k])))
 
 
+def _link_tree(source: Path, target: Path) -> None:
+    """`target` as a copy of `source` whose files are hard links (a copy where links cannot go)."""
+    try:
+        shutil.copytree(source, target, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
+    except (OSError, shutil.Error):
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def _user_venv(work: Path, python: str) -> Path:
+    """A venv owned by the ordinary user, with this install's packages the suite imports in the sandbox."""
+    venv = work / "venv"
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120,
+                   capture_output=True)
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True, timeout=60).stdout.strip())
+    for name in SANDBOX_PACKAGES:
+        found = next((Path(d) / name for d in _site_dirs() if (Path(d) / name).is_dir()), None)
+        if found is not None:
+            _link_tree(found, site / name)
+    # The user owns its venv's directories (not the linked files, which are this install's).
+    for path in (venv, *venv.rglob("*")):
+        if path.is_symlink() or path.is_dir() or path.stat().st_nlink == 1:
+            os.lchown(path, NOBODY, NOBODY)
+    return venv
+
+
 def _user_setup(work: Path) -> tuple[list[str], dict[str, str]]:
-    """A world-readable copy of the project and an interpreter the ordinary user can run."""
+    """A world-readable copy of the project and a venv of the ordinary user's own."""
     copy = work / "project"
     shutil.copytree(PROJECT / "engine", copy / "engine", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("README.md", "pyproject.toml"):
@@ -78,7 +109,8 @@ def _user_setup(work: Path) -> tuple[list[str], dict[str, str]]:
             raise RuntimeError(f"user {NOBODY} can execute neither {sys.executable} nor a system python"
                                f"{sys.version_info[0]}.{sys.version_info[1]}")
         python = same
-    return [*prefix, python], env
+    venv = _user_venv(work, python)
+    return [*prefix, str(venv / "bin" / "python")], env
 
 
 def mode_command(mode: str, work: Path) -> tuple[list[str], dict[str, str], str]:
@@ -139,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", action="append", choices=list(MODES), help="default: all three")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--report", metavar="PATH", help="also write the JSON report there (tests/sandbox/"
+                        "test_attacks.py judges it instead of running the suite again: FSM_ATTACKS_REPORT)")
     ns = parser.parse_args(argv)
     try:
         reports = {m: run_mode(m) for m in ns.mode or list(MODES)}
@@ -146,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attacks in three modes: {e}", file=sys.stderr)
         return 2
     bad = unexpected(reports)
+    if ns.report:
+        Path(ns.report).write_text(json.dumps({"reports": reports, "unexpected": bad}, indent=2))
     if ns.json:
         print(json.dumps({"reports": reports, "unexpected": bad}, indent=2))
     else:

@@ -201,7 +201,7 @@ def _cleaner(lab: Lab) -> str:
     """The mechanism that kills processes which left the run's process group."""
     if lab.recent:  # the runs reported a uid of their own
         return "after the run, kill(-1, SIGKILL) as the run's uid"
-    return "process group SIGKILL only (no uid of its own: a setsid process escapes)"
+    return "process group SIGKILL (no uid of its own; seccomp makes setsid a no-op, so none leaves the group)"
 
 
 @attack("child ignoring SIGTERM")

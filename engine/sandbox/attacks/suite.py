@@ -8,9 +8,11 @@ received - never from the configuration. The "how" column names the mechanism th
 observation points at, e.g. `network namespace: connect -> ENETUNREACH`.
 
 The attacks live in `resources.py` (limits, processes, cleanup), `isolation.py` (files,
-network, privileges, other processes) and `kernel.py` (memory across processes, shared
-memory, SysV, keyrings, uid reuse after a crash, a venv under /tmp) and `layers.py` (what only
-Landlock and seccomp hold without privileges); this module holds
+network, privileges, other processes), `kernel.py` (memory across processes, shared
+memory, SysV, keyrings, uid reuse after a crash, a venv under /tmp), `layers.py` (what only
+Landlock and seccomp hold without privileges, and that ordinary code still runs), `escapes.py`
+(forged reports, files and queues that outlive a call, metadata through a descriptor, kernel
+buffers) and `leaks.py` (what a run could learn of the host or signal to another run); this module holds
 what they share (`Lab`, `attack`), the runner and the report. After each attack, no
 process of a sandbox uid that attack's runs used may be alive: a survivor marks the attack
 not contained whatever else was seen.
@@ -40,6 +42,8 @@ def all_attacks() -> list[tuple[str, AttackFn]]:
     from engine.sandbox.attacks import isolation  # noqa: F401
     from engine.sandbox.attacks import kernel  # noqa: F401
     from engine.sandbox.attacks import layers  # noqa: F401  (what Landlock and seccomp hold)
+    from engine.sandbox.attacks import escapes  # noqa: F401  (found from outside the suite)
+    from engine.sandbox.attacks import leaks  # noqa: F401
 
     return list(ATTACKS)
 

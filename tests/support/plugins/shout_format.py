@@ -21,7 +21,6 @@ class ShoutParser:
     """`CALL name {"arg": ...}` lines; the text before the first one is content."""
 
     name = "shout"
-    reasoning = True  # split off <think>...</think> before parse
 
     def parse(self, text: str, schemas: dict) -> ParsedTurn:
         calls: list[ToolCall] = [call_from_json_text(m.group(2), f"the arguments of {m.group(1)}", m.group(1))
@@ -35,8 +34,8 @@ class ShoutChat(ChatProfile):
 
     name = "shout-chat"
 
-    def __init__(self, tokenizer, tool_parser=None):
-        super().__init__(tokenizer, tool_parser="shout")
+    def __init__(self, tokenizer, tool_parser=None, reasoning_parser=None):
+        super().__init__(tokenizer, tool_parser="shout", reasoning_parser=reasoning_parser)
 
 
 register_tool_parser("shout", ShoutParser(), replace=True)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds a scratch venv holding SGLang's tool-call detectors (the differential test's oracle).
+# Builds a scratch venv holding SGLang's tool-call detectors and reasoning parsers (the oracle of
+# tests/profiles/test_sglang_differential.py, read by tools/sglang_oracle.py).
 # SGLang's pins conflict with the project's, so it never goes into the project's venv: this venv
 # sees the project's venv through a .pth line (reusing its CPU torch, transformers, numpy...) and
 # adds sglang (--no-deps) and the few modules its import chain needs on top.

@@ -1,0 +1,160 @@
+"""A stdio MCP server as a process group the engine owns, bridged to the SDK's session.
+
+The server starts in a session of its own, so it and everything it starts (the children of a
+wrapper such as `uvx`, `npx`, `sh -c` or a relay) share one process group, whose id is the
+server's pid: the engine can end all of it with one signal, at any time, without asking the
+SDK. Lines the server writes are handed to the session as messages; the session's messages are
+written to the server's stdin through an unbounded queue, so neither a call nor the SDK's
+courtesy cancel ever waits on a server that stopped reading.
+
+`stop` ends it the polite way (stdin closed, SIGTERM half-way through the grace, then SIGKILL to
+the group, whatever answered); `kill` sends SIGKILL to the group at once and is synchronous, so a
+cancelled call, a closing runtime and the interpreter's exit (an atexit backstop for a loop that
+is never closed) can all use it. A process that leaves the group (a daemon calling setsid)
+escapes, as from any process-group kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import math
+import os
+import signal
+from typing import Any
+
+log = logging.getLogger(__name__)
+LINE_LIMIT = 16 << 20  # bytes of one message line; a longer one ends the connection
+REAP_SECONDS = 0.5  # how long a killed server has to be reaped before it is left to init
+_POLL_SECONDS = 0.02
+
+_live: set[int] = set()  # process groups started and not yet killed (the atexit backstop's list)
+_atexit_armed = False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def kill_all() -> None:
+    """SIGKILL every server group still alive (at interpreter exit: a loop that was never closed)."""
+    for pgid in list(_live):
+        _signal_group(pgid, signal.SIGKILL)
+        _live.discard(pgid)
+
+
+def exit_text(returncode: int | None) -> str:
+    """How a process ended, in words."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class ServerProcess:
+    """One started stdio server: its process group, and the two streams the SDK's session reads and writes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        import anyio
+
+        self._proc = proc
+        self.pid = proc.pid  # also the process group's id (a session of its own)
+        self.ended = asyncio.Event()  # the server's stdout ended: it exited, or closed it
+        self._to_session, self.read_stream = anyio.create_memory_object_stream[Any](0)
+        self.write_stream, self._from_session = anyio.create_memory_object_stream[Any](math.inf)
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._write())]
+
+    @classmethod
+    async def start(cls, argv: tuple[str, ...], env: dict[str, str]) -> ServerProcess:
+        """Start the server; raises OSError when it cannot be started."""
+        global _atexit_armed
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            start_new_session=True, limit=LINE_LIMIT)
+        _live.add(proc.pid)
+        if not _atexit_armed:
+            atexit.register(kill_all)
+            _atexit_armed = True
+        return cls(proc)
+
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit status (negative: the signal that killed it); None while it runs."""
+        return self._proc.returncode
+
+    async def _read(self) -> None:
+        from mcp.shared.message import SessionMessage
+        from mcp.types import jsonrpc_message_adapter
+
+        assert self._proc.stdout is not None
+        try:
+            while True:
+                try:
+                    line = await self._proc.stdout.readline()
+                except ValueError:  # a line over LINE_LIMIT: no server to keep talking to
+                    log.warning("an MCP server wrote a line over %d bytes; its connection is ended", LINE_LIMIT)
+                    self.kill()
+                    return
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    message = jsonrpc_message_adapter.validate_json(line, by_name=False)
+                except ValueError:  # not JSON-RPC (a banner, a stray print): skipped, as a call that
+                    log.debug("an MCP server wrote a line that is not JSON-RPC; skipped")  # waits on it times out
+                    continue
+                await self._to_session.send(SessionMessage(message))
+        except Exception:  # noqa: BLE001 - the session is gone (a closed stream), or the pipe broke: it ends
+            return
+        finally:
+            self._to_session.close()  # the session's calls fail at once, instead of waiting
+            self.ended.set()
+
+    async def _write(self) -> None:
+        stdin = self._proc.stdin
+        assert stdin is not None
+        try:
+            async for item in self._from_session:
+                data = item.message.model_dump_json(by_alias=True, exclude_unset=True)
+                stdin.write(data.encode("utf-8") + b"\n")
+                await stdin.drain()
+        except Exception:  # noqa: BLE001 - the server closed its stdin or died: the reader ends the connection
+            return
+
+    async def exited(self, seconds: float) -> bool:
+        """Whether the server's process exits within `seconds` (read from its status, not its pipes:
+        a child that inherited them keeps them open after the server is gone)."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while self._proc.returncode is None:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(_POLL_SECONDS)
+        return True
+
+    async def stop(self, grace: float) -> None:
+        """Close stdin and give the server `grace` seconds (SIGTERM to the group half-way), then SIGKILL the group."""
+        try:
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+            if not await self.exited(grace / 2):
+                _signal_group(self.pid, signal.SIGTERM)
+                await self.exited(grace / 2)
+        finally:
+            self.kill()  # always: a wrapper's children may outlive the server it started
+        await self.exited(REAP_SECONDS)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.wait(self._tasks, timeout=REAP_SECONDS)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group now; synchronous, so it runs on every path."""
+        _signal_group(self.pid, signal.SIGKILL)
+        _live.discard(self.pid)

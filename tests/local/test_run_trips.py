@@ -1,0 +1,77 @@
+"""What a new user tripped on in `run`, each as they met it (a subprocess of the real command):
+a tool parser that does not match the model's format, the sandbox mode never said, a run
+stopped by SIGTERM (Slurm, Kubernetes, `timeout`) leaving only OUTPUT.partial.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from engine.local.demos import demo_file
+from engine.trace.summary import warnings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def test_answers_in_another_format_than_the_parser_reads_are_warned_and_the_sandbox_mode_said(tmp_path: Path) -> None:
+    """A GLM model's calls under the hermes parser: every call reads as an answer, no tool runs."""
+    done = subprocess.run([sys.executable, "-m", "engine", "run", "--no-progress", "--limit", "8", "--profile", "chat",
+                           "--tool-parser", "hermes", "--replay", demo_file("replay-chat-glm47.jsonl")],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in done.stderr, done.stderr
+    warned = [line for line in done.stdout.splitlines() if line.startswith("warning:") and "glm47 tool call" in line]
+    assert len(warned) == 1, done.stdout
+    assert "which the configured tool parser does not read" in warned[0] and "--tool-parser glm47" in warned[0]
+    said = [line for line in done.stderr.splitlines() if line.startswith("sandbox: ")]
+    assert len(said) == 1 and "(docs/sandbox-modes.md)" in said[0], done.stderr
+    from engine.sandbox import probe_sync
+
+    assert said[0].startswith(f"sandbox: {probe_sync().isolation['mode']}, with ")
+
+
+def test_a_stray_answer_in_another_format_is_not_a_warning() -> None:
+    summary = {"samples": 20, "foreign_format_answers": Counter({"glm47": 4}), "tool_calls": {"sum": 0},
+               "tool_errors": Counter(), "per_tool": Counter()}
+    assert warnings(summary) == []
+    summary["foreign_format_answers"] = Counter({"glm47": 5})
+    assert len(warnings(summary)) == 1
+
+
+def test_sigterm_keeps_what_finished_writes_the_output_and_exits_143(tmp_path: Path) -> None:
+    out = tmp_path / "samples.jsonl"
+    partial = tmp_path / "samples.jsonl.partial"
+    run = subprocess.Popen([sys.executable, "-m", "engine", "run", "--no-progress", "--n-samples-per-prompt", "16",
+                            "--concurrency", "4", "--output", str(out)], cwd=tmp_path, env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and run.poll() is None:
+            if partial.exists() and partial.read_text(encoding="utf-8").count("\n") >= 2:
+                break
+            time.sleep(0.2)
+        assert run.poll() is None, "the run ended before it could be stopped: " + run.communicate()[1][-2000:]
+        run.send_signal(signal.SIGTERM)
+        stdout, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "terminated (SIGTERM): keeping the samples that finished" in stderr
+    assert not partial.exists()
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert 2 <= len(rows) < 320  # what finished, not the whole batch
+    assert [r["index"] for r in rows] == sorted(r["index"] for r in rows)
+    assert f"wrote {len(rows)} sample(s) to {out} (terminated by SIGTERM: the rest were not run)" in stdout
