@@ -238,13 +238,17 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
         where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
         raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     try:
-        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser)
+        profile = make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser)
     except Exception as exc:
         if cfg.tool_parser is not None and str(exc).startswith("unknown tool parser"):
             raise UsageError(f"{_origin(ns, 'engine_tool_parser')}: {exc}") from None
         if cfg.reasoning_parser is not None and ("reasoning parser" in str(exc) or "engine_reasoning_parser" in str(exc)):
             raise UsageError(f"{_origin(ns, 'engine_reasoning_parser')}: {exc}") from None
         raise UsageError(f"{_origin(ns, 'engine_profile')} {cfg.profile}: {exc}") from None
+    if cfg.compaction != "off" and not callable(getattr(profile, "render_messages", None)):
+        from engine.loop.runtime import compaction_needs_chat
+
+        raise UsageError(f"{_origin(ns, 'engine_compaction')} {cfg.compaction}: {compaction_needs_chat(cfg.profile)}")
     return tokenizer
 
 
@@ -573,8 +577,12 @@ def _run_planned(plan: Plan) -> int:
             if problem:
                 print(f"error: {problem}", file=sys.stderr)
                 return EXIT_USAGE
-            cfg = attrs.evolve(plan.cfg, server_url=url.rstrip("/"),
-                               max_context_len=plan.cfg.max_context_len or server_context_length(url))
+            try:  # the server's context may refuse a setting measured against it (a compaction threshold)
+                cfg = attrs.evolve(plan.cfg, server_url=url.rstrip("/"),
+                                   max_context_len=plan.cfg.max_context_len or server_context_length(url))
+            except SettingsError as exc:
+                print(f"error: {exc} (the server's context)", file=sys.stderr)
+                return EXIT_USAGE
             started = time.perf_counter()
             retries = asyncio.run(roll_out(plan, cfg, partial))
     except CannotRun as exc:

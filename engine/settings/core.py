@@ -288,14 +288,24 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         if self.routing_replay and not (self.num_layers and self.moe_router_topk):
             raise SettingsError("routing replay needs num_layers and moe_router_topk (slime args) to be set")
-        if self.compaction != "off":
+        if self.compaction != "off" and self.max_context_len is not None:
             self.threshold()  # refuses a threshold the context cannot hold, with one sentence
+        if self.partial_rollout:
+            # slime's abort() reads each element of a group as a Sample, and a re-queued group comes
+            # back to generate as it was: a rollout handed back as a list of samples cannot resume.
+            fans_out = [f"{key}: {value}" for key, value, off in (
+                ("engine_compaction", self.compaction, "off"), ("engine_samples", self.samples, "trajectory"),
+                ("engine_agent", self.agent, None)) if value != off]
+            if fans_out:
+                raise SettingsError(f"partial_rollout cannot resume a rollout that comes back as several samples "
+                                    f"({', '.join(fans_out)}): turn one of them off")
 
     def threshold(self) -> int | None:
         """Tokens of the open segment at which it is compacted (None: compaction is off).
 
         Refused (SettingsError) when it is at or above the context, or when neither it nor a
-        context is known: a segment would overflow before it could be compacted.
+        context is known: a segment would overflow before it could be compacted. The runtime asks
+        (`run` knows the server's context only then); settings that hold a context are checked when made.
         """
         if self.compaction == "off":
             return None

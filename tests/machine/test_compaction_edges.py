@@ -194,14 +194,15 @@ def test_a_compaction_threshold_the_context_cannot_hold_is_one_sentence():
     with pytest.raises(SettingsError, match=r"^engine_compaction_threshold must be below the context \(4096 tokens\), got 4096$"):
         EngineConfig(compaction="summarize", compaction_threshold=4096, max_context_len=4096)
     with pytest.raises(SettingsError, match="needs engine_compaction_threshold or a context"):
-        EngineConfig(compaction="drop_oldest")
+        EngineConfig(compaction="drop_oldest").threshold()  # asked by the runtime: run learns the server's context first
     assert EngineConfig(compaction="summarize", max_context_len=4000).threshold() == 3000
     assert EngineConfig(compaction_threshold=4096, max_context_len=4096).threshold() is None  # off: not read
 
 
 def test_compaction_needs_a_profile_that_renders_messages():
     from engine.loop.runtime import Runtime
+    from engine.settings import SettingsError
     from tests.machine.test_machine import cfg
 
-    with pytest.raises(ValueError, match="the retool profile has none"):
+    with pytest.raises(SettingsError, match="^engine_compaction: summarize renders .* the retool profile has none"):
         Runtime.create(cfg(compaction="summarize", compaction_threshold=100), tokenizer=tok())

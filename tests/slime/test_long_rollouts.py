@@ -151,3 +151,56 @@ def test_a_failed_summary_keeps_the_segments_before(fake_interpreter):
     assert out[-1].status == Sample.Status.TRUNCATED and out[-1].metadata["fsm"]["termination_reason"] == "summary_refused"
     whole(out, server)
 
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(engine_compaction="summarize", engine_compaction_threshold=3000), "engine_compaction: summarize"),
+    (dict(engine_samples="per_turn"), "engine_samples: per_turn"),
+])
+def test_partial_rollout_with_samples_that_fan_out_is_engine_setup_failed(settings: dict[str, Any], named: str):
+    """slime's abort() reads each element of a group as a Sample, and a re-queued group comes back to
+    generate as it was: a rollout returned as a list cannot resume, so the combination is refused."""
+    sample = Sample(index=0, prompt="What is 1 + 2?")
+    out, server = generate([], sample, partial_rollout=True, **settings)
+    assert out is sample and server.requests == []
+    fsm = sample.metadata["fsm"]
+    assert fsm["termination_reason"] == "engine_setup_failed"
+    assert fsm["engine_error"] == (f"SettingsError: partial_rollout cannot resume a rollout that comes back as several "
+                                   f"samples ({named}): turn one of them off")
+
+
+def test_with_partial_rollout_a_template_that_drops_reasoning_keeps_one_sequence(caplog):
+    """Qwen3's template drops earlier reasoning once a user turn follows; with partial rollout the
+    samples cannot fan out, so each stays one sequence (as engine_earlier_reasoning: keep), said once."""
+    from engine import envs
+
+    class Again(envs.Environment):
+        name = "again_test"
+
+        async def respond(self, episode: Any, conversation: envs.Conversation) -> envs.Reply:
+            return envs.Reply("Once more.") if len(conversation.messages) < 4 else envs.Reply(done=True, reason="done")
+
+    script = [turn("<think>\nSay it.\n</think>\n\nHello."), turn("<think>\nAgain.\n</think>\n\nHello again.")]
+    with envs.registered_environment(Again()):
+        out, server = generate(script, Sample(index=1, prompt="Say hello."), engine_environment="again_test",
+                               partial_rollout=True)
+        assert isinstance(out, Sample) and out.status == Sample.Status.COMPLETED
+        assert "breaks" not in out.metadata["fsm"] and "Say it." in tok().decode(server.requests[1]["input_ids"])
+        assert any("partial_rollout: each sample stays one sequence" in r.getMessage() for r in caplog.records)
+        dropped, server = generate(script, Sample(index=1, prompt="Say hello."), engine_environment="again_test")
+    # without partial rollout the second turn's prompt is the template's own render: a new segment
+    assert [s.metadata["fsm"]["segment"]["ended_by"] for s in dropped] == ["reasoning_dropped", None]
+    assert "Say it." not in tok().decode(server.requests[1]["input_ids"])
+
+
+def test_the_fully_async_worker_gets_no_aborted_sample_inside_a_list(fake_interpreter):
+    """slime's fully-async worker re-queues a group by the status of each element: an ABORTED sample
+    inside a list it would not see, and would train. So the engine re-runs such a sample itself."""
+    fully_async = dict(rollout_function_path="slime.rollout.fully_async_rollout.generate_rollout_fully_async")
+    out, server = generate([turn("Let me", finish="abort"), turn(ANSWER)], Sample(index=2, prompt="What is 1 + 2?"),
+                           **fully_async)
+    assert isinstance(out, list) and [s.status for s in out] == [Sample.Status.COMPLETED]
+    assert len(server.requests) == 2 and out[0].metadata["fsm"]["attempts"][0]["reason"] == "server_aborted"
+    single, server = generate([turn("Let me", finish="abort")], Sample(index=2, prompt="What is 1 + 2?"),
+                              engine_earlier_reasoning="keep", **fully_async)
+    assert single.status == Sample.Status.ABORTED and len(server.requests) == 1  # a Sample it sees: handed back
