@@ -53,6 +53,7 @@ FOREIGN: dict[str, str] = {
     "--task": "mini-swe-agent",
     "--greeting": "greeter.py, docs/tools.md's example plugin (`run` offers it once given the module)",
     "--repository": "mcp-server-git",
+    "--task": "mini-swe-agent, the command-line harness docs/agents.md names as an engine_agent",
 }
 
 
