@@ -260,16 +260,19 @@ def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: 
     name = f"sample index {sample['index']}" if sample.get("index") is not None else "sample"
     if position is not None:
         name += f" (position {position} in the file)"
+    segment = meta.get("segment")
+    segmented = isinstance(segment, dict) and segment.get("count", 1) > 1
     head = [
         f"{name}: status {status_name(sample)}, termination reason {meta.get('termination_reason')}",
-        f"turns {len(meta.get('turns') or [])}, tool calls {stats.get('calls', 0)}, tool errors {stats.get('errors') or 'none'}, "
+        # a segment's turns are its own; the counts and times are its whole rollout's
+        f"turns {len(meta.get('turns') or [])}, {'the rollout: ' if segmented else ''}tool calls {stats.get('calls', 0)}, "
+        f"tool errors {stats.get('errors') or 'none'}, "
         f"generation {float(meta.get('generation_time') or 0):.3f} s, tools {float(meta.get('tool_time') or 0):.3f} s"
         + (f", environment {float(meta.get('environment_time') or 0):.3f} s" if meta.get("environment") else ""),
     ]
-    segment = meta.get("segment")
-    if isinstance(segment, dict) and segment.get("count", 1) > 1:
-        ended = f", ended by the break {segment['ended_by']}" if segment.get("ended_by") else ""
-        head.append(f"segment {segment.get('index', 0) + 1} of {segment['count']} of an agent's rollout{ended} "
+    if segmented:
+        ended = f", ended by {segment['ended_by']}" if segment.get("ended_by") else ""
+        head.append(f"segment {segment.get('index', 0) + 1} of {segment['count']} of a rollout{ended} "
                     f"(breaks: {', '.join(meta.get('breaks') or []) or 'none'})")
     if meta.get("engine_error"):
         head.append(f"engine error: {_short(meta['engine_error'], 200)}")
