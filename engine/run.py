@@ -39,7 +39,7 @@ from engine.logs import warn_once
 from engine.settings import sources
 from engine.settings.core import EngineConfig, Sampling, flagged_settings, load_plugins, run_rows
 from engine.settings.declare import SettingsError, declared_keys, read_key
-from engine.local.demos import demo_file, demo_replay
+from engine.local.demos import DEMOS, demo_file, demo_replay
 from engine.local.sample import Sample
 from engine.sglang.client import request_once
 
@@ -337,7 +337,13 @@ def check_agent(ns: argparse.Namespace, cfg: EngineConfig) -> None:
 
 def plan_run(ns: argparse.Namespace) -> Plan:
     """Check every argument, cheapest first; raises UsageError (or CannotRun for a dead tool)."""
-    in_path = ns.input or demo_file("prompts.jsonl")
+    prompts, demo_script, demo_settings = DEMOS[getattr(ns, "demo", None) or "tools"]
+    if demo_settings:
+        if ns.config:
+            raise UsageError(f"--config: --demo {ns.demo} runs with its own settings ({demo_file(demo_settings)}); "
+                             "give yours as flags, or copy that file and drop --demo")
+        ns.config = demo_file(demo_settings)
+    in_path = ns.input or demo_file(prompts)
     check_output(ns.output, in_path)
     try:
         args = settings_args(ns)
@@ -354,7 +360,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
         raise UsageError("--replay: only the embedded server replays a script; drop --replay or --server")
     replay = None
     if not server:
-        replay = ns.replay or demo_replay(cfg.profile, cfg.tool_parser)
+        replay = ns.replay or (demo_file(demo_script) if demo_script else demo_replay(cfg.profile, cfg.tool_parser))
         try:
             from engine.local.server.replay import load_replay
 
