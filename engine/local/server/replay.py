@@ -8,9 +8,9 @@ A replay file is JSON (a list of entries, or `{"entries": [...]}`) or JSONL (one
 Matching rule, applied to the request's input decoded with special tokens kept:
 
 1. An entry is a candidate when its `prompt` occurs in the decoded input. Among candidates the
-   one whose prompt ends latest in the input wins (a question asked after the task's prompt, as a
-   compaction's summary request asks it, is the more specific), then the longest prompt, then the
-   first in the file.
+   longest prompt wins (the most specific: a simulated user's instructions over the conversation
+   it is shown, a compaction's question over the task's prompt it follows), then the one ending
+   latest in the input (a question asked after the prompt), then the first in the file.
 2. The turn to play is the one after the last of the entry's turns found after the first
    occurrence of the prompt, each looked for after the one found before it. A turn is "found"
    when its text, stripped of surrounding whitespace and of a trailing `<|im_end|>` /
@@ -69,12 +69,12 @@ class ReplayScript:
         best_rank = (-1, -1)
         for entry in self.entries:
             at = decoded_input.find(entry.prompt)
-            rank = (at + len(entry.prompt), len(entry.prompt))
+            rank = (len(entry.prompt), at + len(entry.prompt))
             if at >= 0 and rank > best_rank:
                 best, best_rank = entry, rank
         if best is None:
             return None
-        pos = best_rank[0]
+        pos = best_rank[1]
         done = 0
         for k, turn in enumerate(best.turns):
             needle = _needle(turn)
