@@ -292,6 +292,18 @@ def test_the_model_calls_a_tool_of_a_streamable_http_server(http_server):
     assert ("TOOL_CALL", "dispatch", "TOOL_H_ADD") in [tuple(e) for e in r.record.trace]
 
 
+def test_an_http_servers_json_reply_past_the_message_cap_ends_the_call_at_once_unread():
+    """The SDK reads a JSON reply whole, unbounded (its event streams stop at 1 MiB an event): 400 MB
+    held the engine at 2 GB. Past LINE_LIMIT (16 MiB) the reply is not read further."""
+    script = [turn(call("h_big", mib=40)), turn("Never asked.")]
+    with http_mcp_server("--prefix", "h_", "--json-response") as url:
+        r, server = rollout(script, (url,), tools=("h_big",), tool_timeout=60)
+    assert (r.state, r.record.reason) == ("FAILED", "tool_unavailable")
+    assert "runs past 16777216 bytes" in r.record.error, r.record.error
+    assert r.record.tools.seconds < 20  # it was read whole (and parsed, on the event loop) first
+    assert len(server.requests) == 1 and observations(r) == []
+
+
 def test_an_http_server_that_went_down_ends_the_sample_untrained(http_server):
     mcp_servers.register_servers((http_server,), 30, 30)
     port = int(http_server.rsplit(":", 1)[1].split("/")[0])
