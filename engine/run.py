@@ -598,24 +598,36 @@ def _run_planned(plan: Plan) -> int:
     return report(done, plan, wall, retries, interrupted)
 
 
+def config_keys(ns: argparse.Namespace) -> dict[str, Any]:
+    """The run's --config YAML as read ({} without one, or when unreadable: plan_run says why)."""
+    if not getattr(ns, "config", None):
+        return {}
+    try:
+        return sources.load_yaml_settings(ns.config)
+    except SettingsError:
+        return {}
+
+
 def main_agent(ns: argparse.Namespace) -> int:
     """`python -m engine agent [options] -- CMD ...`: `run` with an agent per prompt.
 
-    CMD (everything after `--`) is the harness's command line; without one, the demo's agent
+    CMD (everything after `--`) is the harness's command line; without one (and without an
+    `engine_agent` from --agent or the --config YAML), the demo's agent
     (`engine.local.agent_demo`) runs the demo's prompts against the embedded server, whose
     replay teaches it the task. The profile is chat unless set.
     """
     command = list(ns.command or [])
     if command[:1] == ["--"]:
         command = command[1:]
-    demo = not command and ns.agent is None
+    configured = config_keys(ns)
+    demo = not command and ns.agent is None and configured.get("engine_agent") is None
     if command:
         ns.agent = shlex.join(command)
     elif demo:
         ns.agent = shlex.join([sys.executable, "-m", "engine.local.agent_demo"])
     if demo or ns.input is None:
         ns.input = ns.input or demo_file("agent-prompts.jsonl")
-    if ns.replay is None and not ns.server:
+    if ns.replay is None and not ns.server and not configured.get("engine_server_url"):
         ns.replay = demo_file("replay-agent.jsonl")
     if ns.profile is None:
         ns.profile = "chat"

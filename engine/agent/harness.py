@@ -137,8 +137,18 @@ async def _run_command(spec: HarnessSpec, base_url: str, api_key: str, prompt: A
     output = await _tail(reading, tail)
     if code != 0:
         how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-        return HarnessOutcome("harness_crashed", f"{argv[0]}: {how}", output=output)
+        last = last_line(output)  # most harnesses say why on their last line (an exception, a usage error)
+        return HarnessOutcome("harness_crashed", f"{argv[0]}: {how}" + (f": {last}" if last else ""), output=output)
     return HarnessOutcome("harness_finished", output=output)
+
+
+def last_line(output: str, limit: int = 200) -> str:
+    """The last non-blank line of a command's output, cut to `limit` characters ("" when there is none)."""
+    for line in reversed(output.splitlines()):
+        if line.strip():
+            line = line.strip()
+            return line if len(line) <= limit else line[: limit - 3] + "..."
+    return ""
 
 
 async def _read_tail(proc: asyncio.subprocess.Process, tail: bytearray) -> None:

@@ -75,3 +75,23 @@ def test_sigterm_keeps_what_finished_writes_the_output_and_exits_143(tmp_path: P
     assert 2 <= len(rows) < 320  # what finished, not the whole batch
     assert [r["index"] for r in rows] == sorted(r["index"] for r in rows)
     assert f"wrote {len(rows)} sample(s) to {out} (terminated by SIGTERM: the rest were not run)" in stdout
+
+
+def test_agent_runs_the_engine_agent_its_config_names_not_the_demo_s(tmp_path: Path) -> None:
+    """`agent --config agent.yaml` with `engine_agent` set: that agent runs (it was the demo's, silently)."""
+    (tmp_path / "agent.yaml").write_text('engine_profile: chat\nengine_agent: "my_agents:solve"\n', encoding="utf-8")
+    (tmp_path / "my_agents.py").write_text(
+        "import openai\n\n\n"
+        "async def solve(base_url, api_key, sample):\n"
+        "    client = openai.AsyncOpenAI(base_url=base_url + '/v1', api_key=api_key)\n"
+        "    await client.chat.completions.create(model='policy', messages=[{'role': 'user', 'content': sample.prompt}])\n"
+        "    await client.close()\n"
+        "    return {'score': 0.5, 'by': 'my_agents'}\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "engine", "agent", "--config", "agent.yaml", "--limit", "1",
+                           "--no-progress", "--output", "out.jsonl"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    sample = json.loads((tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    fsm = sample["metadata"]["fsm"]
+    assert fsm["agent"]["result"] == {"score": 0.5, "by": "my_agents"}, fsm["agent"]
+    assert len(fsm["turns"]) == 1  # the one call solve makes; the demo's agent would have made several
