@@ -427,6 +427,13 @@ def test_replay_script_matching_rules(tmp_path: Path) -> None:
     assert script.select("What is 17 times 3? long-a tool") == (script.entries[1], 1)
     assert script.select("17 times 3 ... a ...") == (script.entries[0], 1)
     assert script.select("nothing") is None
+    # A history re-rendered by a template that drops earlier turns' reasoning still shows the turn.
+    thinking = ReplayEntry("Add 3+4.", ["<think>\nadd\n</think>\n\n<tool_call>add</tool_call>", "<think>\nx\n</think>", "7"])
+    script = ReplayScript(entries=[thinking])
+    assert script.select("Add 3+4. <think>\nadd\n</think>\n\n<tool_call>add</tool_call> 7") == (thinking, 1)
+    assert script.select("Add 3+4. <tool_call>add</tool_call> 7") == (thinking, 1)
+    assert script.select("Add 3+4. <think>\nelse\n</think> 7") == (thinking, 0)
+    assert script.select("Add 3+4. <tool_call>add</tool_call> <think>\nx\n</think>") == (thinking, 2)
     lines = tmp_path / "s.jsonl"
     lines.write_text('{"prompt": "p", "turns": ["t"]}\n\n{"prompt": "q", "turns": ["u", "v"]}\n')
     as_list = tmp_path / "s.json"

@@ -11,8 +11,9 @@ Matching rule, applied to the request's input decoded with special tokens kept:
    the longest prompt wins (the most specific), ties going to the first in the file.
 2. The turn to play is k = how many of the entry's turns already appear, in order, after the
    first occurrence of the prompt. A turn "appears" when its text, stripped of surrounding
-   whitespace and of a trailing `<|im_end|>` / `<|endoftext|>`, is found there; the stripping
-   lets a client that re-renders past turns through a chat template still match.
+   whitespace and of a trailing `<|im_end|>` / `<|endoftext|>`, is found there, or its text after
+   a closing `</think>` is; the stripping lets a client that re-renders past turns through a chat
+   template (which may drop their reasoning) still match.
 3. When every turn is already present, or no entry matches, the server samples as usual.
 
 The chosen turn is tokenized as written (special-token strings become their ids). When its last
@@ -30,6 +31,7 @@ from typing import Any
 import attrs
 
 _TURN_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+_REASONING_END = "</think>"
 
 
 def _needle(turn: str) -> str:
@@ -43,6 +45,14 @@ def _needle(turn: str) -> str:
                 text = text[: -len(marker)].rstrip()
                 changed = True
     return text
+
+
+def _needles(turn: str) -> tuple[str, ...]:
+    """What may show that a turn was played: its text, else its text after its reasoning, which a
+    template that drops earlier turns' reasoning (Qwen3's, on a re-rendered history) leaves out."""
+    whole = _needle(turn)
+    _, closed, after = whole.rpartition(_REASONING_END)
+    return (whole, after.strip()) if closed and after.strip() else (whole,)
 
 
 @attrs.frozen
@@ -70,8 +80,10 @@ class ReplayScript:
         pos = decoded_input.find(best.prompt) + len(best.prompt)
         done = 0
         for turn in best.turns:
-            needle = _needle(turn)
-            found = decoded_input.find(needle, pos) if needle else pos
+            for needle in _needles(turn):
+                found = decoded_input.find(needle, pos) if needle else pos
+                if found >= 0:
+                    break
             if found < 0:
                 break
             pos = found + len(needle)
