@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -624,6 +625,11 @@ def main_agent(ns: argparse.Namespace) -> int:
     if command:
         ns.agent = shlex.join(command)
     elif demo:
+        if importlib.util.find_spec("openai") is None:  # else each sample ends harness_crashed, one by one
+            print("error: the demo's agent talks through the openai SDK, which is not installed: "
+                  "pip install -e '.[agent]' in the engine's checkout (or give your harness's command after --)",
+                  file=sys.stderr)
+            return EXIT_FAILED
         ns.agent = shlex.join([sys.executable, "-m", "engine.local.agent_demo"])
     if demo or ns.input is None:
         ns.input = ns.input or demo_file("agent-prompts.jsonl")

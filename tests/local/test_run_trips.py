@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from typing import Any
 from pathlib import Path
 
 from engine.local.demos import demo_file
@@ -95,3 +96,19 @@ def test_agent_runs_the_engine_agent_its_config_names_not_the_demo_s(tmp_path: P
     fsm = sample["metadata"]["fsm"]
     assert fsm["agent"]["result"] == {"score": 0.5, "by": "my_agents"}, fsm["agent"]
     assert len(fsm["turns"]) == 1  # the one call solve makes; the demo's agent would have made several
+
+
+def test_the_demo_agent_without_the_openai_sdk_is_one_line(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    """`pip install -e '.[local]'` (the README's first line) has no openai SDK: `agent` said each sample crashed."""
+    import importlib.util
+
+    from engine.cli import build_parser
+    from engine.run import EXIT_FAILED, main_agent
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openai" else found(name, *a))
+    ns = build_parser("python -m engine").parse_args(["agent", "--no-progress", "--output", str(tmp_path / "o.jsonl")])
+    assert main_agent(ns) == EXIT_FAILED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "openai SDK" in err[0] and "pip install -e '.[agent]'" in err[0]
+    assert not (tmp_path / "o.jsonl").exists()
