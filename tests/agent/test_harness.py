@@ -44,6 +44,9 @@ def test_a_command_that_fails_or_cannot_start_is_a_crash():
     raised = run_spec(f"{sys.executable} -c \"import no_such_sdk_here\"")
     assert raised.reason == "harness_crashed"
     assert raised.detail.endswith("exit status 1: ModuleNotFoundError: No module named 'no_such_sdk_here'")
+    wrapped = run_spec(f"{sys.executable} -c \"print('RuntimeError: no price for the model'); print('see'); print('the docs');"
+                       f" raise SystemExit(1)\"")
+    assert wrapped.detail.endswith("exit status 1: RuntimeError: no price for the model")
     missing = run_spec("/no/such/harness --flag")
     assert missing.reason == "harness_crashed" and "cannot start" in missing.detail
 
