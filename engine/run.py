@@ -399,6 +399,35 @@ def sandbox_line(plan: Plan) -> str | None:
             f"{held} (docs/sandbox-modes.md)")
 
 
+def replay_line(plan: Plan) -> str | None:
+    """A warning when prompts of the input hold no replay entry's prompt (None when all do, or no replay plays).
+
+    The embedded model is tiny and untrained: a prompt the script does not know is sampled
+    freely, noise up to the turn's cap, which looks like a broken harness or format.
+    """
+    if plan.replay is None:
+        return None
+    from engine.local.server.replay import load_replay
+
+    known = [entry.prompt for entry in load_replay(plan.replay).entries]
+    prompts = [text for text in dict.fromkeys(_prompt_words(s.prompt) for s in plan.samples) if text]
+    unknown = sum(not any(p in text for p in known) for text in prompts)
+    if not unknown:
+        return None
+    return (f"warning: {unknown} of {len(prompts)} prompts hold no prompt of the replay script {os.path.basename(plan.replay)}: "
+            "the embedded model (tiny, untrained) samples their turns freely, noise up to each turn's cap "
+            "(--replay FILE teaches it yours: docs/without-slime.md#replay-scripts)")
+
+
+def _prompt_words(prompt: Any) -> str:
+    """A prompt's text: itself, or its chat messages' contents one a line."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in prompt)
+    return str(prompt)
+
+
 # -- the server ---------------------------------------------------------------------------------
 
 
@@ -556,9 +585,9 @@ def main_run(ns: argparse.Namespace) -> int:
     except CannotRun as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    line = sandbox_line(plan)
-    if line:
-        print(line, file=sys.stderr)
+    for line in (sandbox_line(plan), replay_line(plan)):
+        if line:
+            print(line, file=sys.stderr)
     with sigterm_as_interrupt():
         return _run_planned(plan)
 

@@ -112,3 +112,21 @@ def test_the_demo_agent_without_the_openai_sdk_is_one_line(tmp_path: Path, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "openai SDK" in err[0] and "pip install -e '.[agent]'" in err[0]
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_prompts_the_replay_does_not_know_are_warned_about(tmp_path: Path) -> None:
+    """One's own prompts on the embedded server without a replay of them: the tiny model's noise looked
+    like a broken harness; one line says why and what teaches it."""
+    (tmp_path / "mine.jsonl").write_text(json.dumps({"prompt": "Name three rivers of Peru."}) + "\n"
+                                         + json.dumps({"prompt": "What is 17 * 23?"}) + "\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "engine", "run", "--no-progress", "--input", "mine.jsonl",
+                           "--max-new-tokens", "4", "--tools", "", "--output", "out.jsonl"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    warned = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1, done.stderr
+    assert warned[0].startswith("warning: 1 of 2 prompts hold no prompt of the replay script replay.jsonl")
+    assert "--replay FILE" in warned[0]
+    demo = subprocess.run([sys.executable, "-m", "engine", "run", "--no-progress", "--limit", "2", "--tools", "",
+                           "--max-new-tokens", "4", "--output", "demo.jsonl"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert "replay script" not in demo.stderr, demo.stderr
