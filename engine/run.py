@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -324,9 +325,17 @@ def check_agent(ns: argparse.Namespace, cfg: EngineConfig) -> None:
     from engine.agent.harness import HarnessSpec
 
     try:
-        HarnessSpec.parse(cfg.agent or "")
+        spec = HarnessSpec.parse(cfg.agent or "")
     except ValueError as exc:
         raise UsageError(f"{_origin(ns, 'engine_agent')}: {exc}") from None
+    # What cannot start would crash every sample alike: said once, before any is rolled out.
+    if spec.kind == "python":
+        try:
+            spec.function()
+        except Exception as exc:  # the user's module: any failure of its import is theirs to read
+            raise UsageError(f"{_origin(ns, 'engine_agent')}: {spec.target}: {type(exc).__name__}: {exc}") from None
+    elif shutil.which(spec.argv[0]) is None:
+        raise UsageError(f"{_origin(ns, 'engine_agent')}: {spec.argv[0]}: no such program (not a file, nor on PATH)")
     if cfg.profile != "chat":
         raise UsageError(f"{_origin(ns, 'engine_agent')}: an agent needs the chat profile "
                          f"({_origin(ns, 'engine_profile')} is {cfg.profile})")

@@ -130,3 +130,16 @@ def test_prompts_the_replay_does_not_know_are_warned_about(tmp_path: Path) -> No
                            "--max-new-tokens", "4", "--output", "demo.jsonl"],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert "replay script" not in demo.stderr, demo.stderr
+
+
+def test_an_agent_that_cannot_start_is_one_line_before_any_sample(tmp_path: Path) -> None:
+    """A module that is not there, a function it lacks, a program not installed: each sample crashed alike."""
+    (tmp_path / "agents_here.py").write_text("async def solve(base_url, api_key, sample):\n    return 1\n", encoding="utf-8")
+    for agent, said in (("no_such_agents:solve", "no_such_agents:solve: ModuleNotFoundError: No module named 'no_such_agents'"),
+                        ("agents_here:solv", "agents_here:solv: AttributeError:"),
+                        ("no-such-harness --task {prompt}", "no-such-harness: no such program")):
+        done = subprocess.run([sys.executable, "-m", "engine", "agent", "--agent", agent, "--limit", "1", "--no-progress",
+                               "--output", "out.jsonl"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.strip().splitlines() == [done.stderr.strip()] and said in done.stderr, done.stderr
+        assert done.stderr.startswith("error: --agent: ") and not (tmp_path / "out.jsonl").exists()
