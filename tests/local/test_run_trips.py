@@ -12,8 +12,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from engine.local.demos import demo_file
 from engine.trace.summary import warnings
