@@ -174,7 +174,7 @@ def test_refusals_keep_the_session():
     assert (image.kind, image.status) == ("invalid_request", 400) and "image" in image.message
     assert later_image.kind == "invalid_request"
     assert isinstance(second, ModelAnswer) and r.closed == [] and r.turn_count == 2
-    assert r.inputs.harness.refused == ["invalid_request", "invalid_request"]
+    assert r.inputs.harness.refused == ["not_found", "invalid_request", "invalid_request"]  # recorded with the sample
 
 
 def test_any_model_name_is_served_under_a_star():
