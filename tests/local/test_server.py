@@ -427,13 +427,24 @@ def test_replay_script_matching_rules(tmp_path: Path) -> None:
     assert script.select("What is 17 times 3? long-a tool") == (script.entries[1], 1)
     assert script.select("17 times 3 ... a ...") == (script.entries[0], 1)
     assert script.select("nothing") is None
+    # a turn no longer in the context is skipped: a compacted one goes on from the latest it holds
+    long = ReplayScript(entries=[ReplayEntry("Task", ["t1", "t2", "t3", "t4"]), ReplayEntry("Summarize", ["S1"]),
+                                 ReplayEntry("Quiz", ["q"])])
+    assert long.select("Task t1 t2") == (long.entries[0], 2)
+    assert long.select("Task [summary] t3") == (long.entries[0], 3)
+    assert long.select("Task t4") is None
+    # the longest prompt wins, then the one ending latest: a question asked after the task's prompt is answered
+    assert long.select("Task t1 t2 Summarize") == (long.entries[1], 0)
+    assert long.select("Summarize ... Task t1") == (long.entries[1], 0)
+    assert long.select("Quiz Task t1") == (long.entries[0], 1) and long.select("Task t1 Quiz") == (long.entries[2], 0)
     # A history re-rendered by a template that drops earlier turns' reasoning still shows the turn.
-    thinking = ReplayEntry("Add 3+4.", ["<think>\nadd\n</think>\n\n<tool_call>add</tool_call>", "<think>\nx\n</think>", "7"])
+    thinking = ReplayEntry("Add 3+4.", ["<think>\nadd\n</think>\n\n<tool_call>add</tool_call>",
+                                        "<think>\nmul\n</think>\n\n<tool_call>mul</tool_call>", "done"])
     script = ReplayScript(entries=[thinking])
     assert script.select("Add 3+4. <think>\nadd\n</think>\n\n<tool_call>add</tool_call> 7") == (thinking, 1)
     assert script.select("Add 3+4. <tool_call>add</tool_call> 7") == (thinking, 1)
+    assert script.select("Add 3+4. <tool_call>add</tool_call> 7 <tool_call>mul</tool_call> 35") == (thinking, 2)
     assert script.select("Add 3+4. <think>\nelse\n</think> 7") == (thinking, 0)
-    assert script.select("Add 3+4. <tool_call>add</tool_call> <think>\nx\n</think>") == (thinking, 2)
     lines = tmp_path / "s.jsonl"
     lines.write_text('{"prompt": "p", "turns": ["t"]}\n\n{"prompt": "q", "turns": ["u", "v"]}\n')
     as_list = tmp_path / "s.json"
