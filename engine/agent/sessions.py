@@ -309,7 +309,8 @@ class AgentSessions:
         if session is None:
             return CallRefused("unauthorized", "no session has this key")
         if call.model and call.model not in self.names and ANY_MODEL not in self.names:
-            return CallRefused("not_found", f"the model {call.model!r} is not served here: {', '.join(self.models())}")
+            return session._refuse(CallRefused("not_found", f"the model {call.model!r} is not served here: {', '.join(self.models())} "
+                                            f"(engine_agent_models lists the names served; \"*\" takes any)"))
         return session
 
     async def call(self, key: str, call: ModelCall) -> ModelAnswer | CallRefused:
