@@ -41,7 +41,7 @@ FOREIGN: dict[str, str] = {
         "--custom-generate-function-path", "--custom-rm-path", "--custom-rollout-log-function-path",
         "--mask-offpolicy-in-partial-rollout", "--use-rollout-routing-replay", "--tool-key",
         "--save-debug-rollout-data", "--sglang-router-ip", "--hf-checkpoint", "--ref-load", "--prompt-data",
-        "--input-key", "--label-key", "--reward-key", "--apply-chat-template", "--rollout-shuffle", "--num-rollout",
+        "--input-key", "--label-key", "--reward-key", "--apply-chat-template", "--apply-chat-template-kwargs", "--rollout-shuffle", "--num-rollout",
         "--rollout-batch-size", "--rollout-max-response-len", "--rollout-max-context-len",
         "--rollout-temperature", "--rollout-top-p", "--global-batch-size", "--balance-data", "--advantage-estimator",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--dynamic-sampling-filter-path", "--metadata-key",
