@@ -51,6 +51,7 @@ FOREIGN: dict[str, str] = {
     "--address": "ray start", "--resources": "ray start",
     "--greeting": "greeter.py, docs/tools.md's example plugin (`run` offers it once given the module)",
     "--repository": "mcp-server-git",
+    "--task": "mini-swe-agent, the command-line harness docs/agents.md names as an engine_agent",
 }
 
 

@@ -8,7 +8,9 @@ process, because its numbers mean other calls. Allowed calls fall in three kinds
   own processes and signals, clocks);
 * `FILTERED`: one use only, decided by an argument (`RULES` says which): creation modes without
   setuid/setgid bits, a unix stream `socketpair` and no option that grows its buffers, `clone`
-  without namespaces, `fcntl` without locks, leases or signal ownership, `prctl` of a few options;
+  without namespaces, `fcntl` without locks, leases or signal ownership, `ioctl` of a few queries
+  (any other request gets ENOTTY, the kernel's own "not for this descriptor"), `prctl` of a few
+  options, limits of its own but the core dump's;
 * `ENOSYS`: calls glibc tries first and falls back from only on ENOSYS (`clone3` -> `clone`,
   whose flags the filter can read; `openat2` -> `openat`, whose mode it can read).
 
@@ -31,9 +33,9 @@ from typing import Any
 AUDIT_ARCH_X86_64 = 0xC000003E
 X32_BIT = 0x40000000
 RET_KILL_PROCESS, RET_ALLOW, RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
-EPERM, ENOSYS = 1, 38
+EPERM, ENOTTY, ENOSYS = 1, 25, 38
 LD_ABS, JEQ, JGE, JSET, JA, AND, RET = 0x20, 0x15, 0x35, 0x45, 0x05, 0x54, 0x06
-ALLOW, DENY, NOSYS, NOOP = "allow", "deny", "nosys", "noop"  # the filter's outcomes
+ALLOW, DENY, NOSYS, NOTTY, NOOP = "allow", "deny", "nosys", "notty", "noop"  # the filter's outcomes
 
 # x86_64 numbers. Why each is safe to allow: Landlock decides which files and processes a call may
 # reach, the uid and rlimits bound what it may hold; these calls reach nothing else.
@@ -116,7 +118,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "getgroups": (115, "identity"), "getpgrp": (111, "identity"), "getpgid": (121, "identity"),
     "getsid": (124, "identity"), "capget": (125, "reading capabilities (none)"), "uname": (63, "platform"),
     "sysinfo": (99, "memory size (sysconf)"), "getrlimit": (97, "its limits"),
-    "setrlimit": (160, "lowering its own limits (raising a hard one needs a capability it lacks)"),
     "getrandom": (318, "random numbers"),
 }
 
@@ -140,10 +141,13 @@ FILTERED: dict[str, tuple[int, str, str]] = {
     "setsockopt": (54, "sockopt", "harmless options of that pair; never a buffer size"),
     "clone": (56, "clone", "threads and processes, never in new namespaces"),
     "fcntl": (72, "fcntl", "descriptor flags; no locks, leases, signal owners or pipe sizes"),
-    "ioctl": (16, "ioctl", "terminal and descriptor queries; never pushing input into a terminal"),
+    "ioctl": (16, "ioctl", "terminal and descriptor queries; never a file's flags, a signal owner or terminal input"),
     "prctl": (157, "prctl", "naming threads, its own death signal and dumpability, no_new_privs"),
     "personality": (135, "personality", "querying the personality only"),
-    "prlimit64": (302, "pid0", "its own limits (getrlimit and setrlimit go through it)"),
+    "setrlimit": (160, "rlimit", ("lowering its own limits (raising a hard one needs a capability it lacks); "
+                                  "the core dump's: success without effect")),
+    "prlimit64": (302, "prlimit", ("its own limits (getrlimit and setrlimit go through it); setting the core "
+                                   "dump's: success without effect")),
     "sched_setaffinity": (203, "pid0", "pinning its own threads (torch)"),
     "sched_setparam": (142, "pid0", "its own scheduling"), "sched_setscheduler": (144, "pid0", "its own scheduling"),
     "sched_setattr": (314, "pid0", "its own scheduling"),
@@ -168,7 +172,19 @@ AF_UNIX, SOCK_STREAM, SOCK_TYPE_MASK, SOL_SOCKET = 1, 1, 0xF, 1
 SOCKOPTS = (2, 9, 13, 16, 18, 19, 20, 21, 42, 66, 67)
 # F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_DUPFD_CLOEXEC, F_GETPIPE_SZ, F_GET_SEALS.
 FCNTL_CMDS = (0, 1, 2, 3, 4, 1030, 1032, 1034)
-TIOCSTI, TIOCLINUX = 0x5412, 0x541C  # push input into a terminal; console tricks
+# The queries code makes of a descriptor: TCGETS, TCGETS2 (isatty, termios), TIOCGPGRP,
+# TIOCOUTQ, TIOCGWINSZ (the terminal's size), FIONREAD, FIONBIO (socket.setblocking), FIONCLEX,
+# FIOCLEX (os.set_inheritable), FIOQSIZE, FIGETBSZ, and reading a file's flags, version, extended
+# attributes and extents. Not: setting a file's flags or project (FS_IOC_SETFLAGS, FSSETXATTR: an
+# ordinary user's run owns every file of the engine's user it can open, read-only or not), a
+# descriptor's signal owner (FIOSETOWN, SIOCSPGRP: SIGIO and SIGURG at another process), pushing
+# input into a terminal (TIOCSTI), nor whatever a device or a filesystem adds.
+IOCTL_CMDS = (0x5401, 0x802C542A, 0x540F, 0x5411, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451, 0x5460, 2,
+              0x80086601, 0x80087601, 0x801C581F, 0xC020660B)
+# RLIMIT_CORE stays at 1, the value the kernel reads as "never dump", also where core_pattern pipes
+# a crash to a helper of the host's (with 0 that helper still runs, as root, outside the sandbox).
+# Setting it succeeds without effect: code that turns core dumps off gets what it asked for.
+RLIMIT_CORE = 4
 # PDEATHSIG set/get, DUMPABLE get/set, KEEPCAPS get, NAME set/get, SECCOMP get, CAPBSET_READ,
 # TIMERSLACK set/get, MCE_KILL_GET, CHILD_SUBREAPER set/get, NO_NEW_PRIVS set/get,
 # TID_ADDRESS get, THP_DISABLE set/get, SPECULATION_CTRL get/set, SET_VMA (glibc names its maps).
@@ -213,6 +229,8 @@ class Asm:
             self.op(RET, RET_ERRNO | EPERM)
         elif target == NOSYS:
             self.op(RET, RET_ERRNO | ENOSYS)
+        elif target == NOTTY:
+            self.op(RET, RET_ERRNO | ENOTTY)
         elif target == NOOP:
             self.op(RET, RET_ERRNO | 0)  # success without effect
         else:
@@ -305,11 +323,25 @@ def _rule(a: Asm, rule: str, own_uid: bool) -> None:
         for cmd in FCNTL_CMDS if name == "fcntl" else PRCTL_OPTIONS:
             a.when(JEQ, cmd, ALLOW)
         a.go(DENY)
-    elif name == "ioctl":
+    elif name == "ioctl":  # the request is an unsigned int: its low 32 bits are all of it
         a.load(_arg(1))
-        a.when(JEQ, TIOCSTI, DENY)
-        a.when(JEQ, TIOCLINUX, DENY)
+        for cmd in IOCTL_CMDS:
+            a.when(JEQ, cmd, ALLOW)
+        a.go(NOTTY)
+    elif name == "rlimit":  # setrlimit(resource, new)
+        a.load(_arg(0))
+        a.when(JEQ, RLIMIT_CORE, NOOP)
         a.go(ALLOW)
+    elif name == "prlimit":  # prlimit64(pid, resource, new, old): itself; the core limit read only
+        a.load(_arg(0))
+        a.unless(JEQ, 0, DENY)
+        a.load(_arg(1))
+        a.unless(JEQ, RLIMIT_CORE, ALLOW)
+        a.load(_arg(2))
+        a.unless(JEQ, 0, NOOP)  # a new limit (a pointer): 64 bits, both halves must be 0 to read only
+        a.load(_arg(2, high=True))
+        a.when(JEQ, 0, ALLOW)
+        a.go(NOOP)
     elif name == "personality":
         a.load(_arg(0))
         a.when(JEQ, PERSONALITY_QUERY, ALLOW)

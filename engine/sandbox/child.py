@@ -316,7 +316,13 @@ def enter(cfg: dict[str, Any], sys_path: list[str], before_drop: Any = None) -> 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)  # SIGPIPE: as python does
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # 1, not 0: where core_pattern pipes a crash to a helper of the host's, the kernel runs that
+    # helper (as root, outside every layer here) whatever the limit, but for exactly 1. A hard
+    # limit of 0 (a host that forbids core dumps) cannot be raised without a capability: kept.
+    hard = resource.getrlimit(resource.RLIMIT_CORE)[1]
+    core = 1 if hard == resource.RLIM_INFINITY or hard >= 1 else 0
+    resource.setrlimit(resource.RLIMIT_CORE, (core, core))
+    _first_for_the_oom_killer()
     join_cgroups(cfg["cgroups"])  # in the host's mount namespace: /sys is read-only in ours
     template = cfg.get("template")
     if template is not None:
@@ -353,14 +359,30 @@ def enter(cfg: dict[str, Any], sys_path: list[str], before_drop: Any = None) -> 
     os.chdir(cfg["workdir"])
 
 
+def _first_for_the_oom_killer() -> None:
+    """Make this run (and all it forks) the OOM killer's first choice on the host, before the
+    engine or the trainer: where only rlimits bound a run, the kernel's own memory for it (page
+    tables of a sparse address space) is counted by none of them. Best effort: a /proc that
+    refuses the write leaves the kernel's ordinary choice."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def set_limits(cfg: dict[str, Any]) -> None:
     """rlimits, after the uid drop (see runner._config). RLIMIT_AS bounds growth past what
     the process already maps (the zygote's preloaded modules), not the inherited total.
-    RLIMIT_NOFILE comes last, in `set_file_limit`: Landlock's rules open a descriptor each."""
+    Real-time scheduling and a raised priority stay refused whatever the engine's own limits
+    allow (a run would take CPU from the engine and the other runs). RLIMIT_NOFILE comes last,
+    in `set_file_limit`: Landlock's rules open a descriptor each."""
     limits = dict(cfg["rlimits"])
     limits["AS"] += _mapped_bytes()
     for name in ("NPROC", "FSIZE", "AS"):
         resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (limits[name], limits[name]))
+    for name in ("RTPRIO", "NICE"):
+        resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (limits["CPU"], limits["CPU"] + 1))  # SIGXCPU, then SIGKILL
 
 
@@ -394,17 +416,24 @@ def reaped(wake: int | None = None) -> list[tuple[int, int]]:
         done.append((pid, os.waitstatus_to_exitcode(status)))
 
 
-def _has_processes(uid: int) -> bool:
-    """As `uid`: whether another live process of it exists. kill(-1, 0) reaches exactly the
-    uid's processes (cheap, and usually ESRCH); only when it hits something is /proc read,
-    because a zombie waiting for its reaper counts for kill() but holds nothing."""
+def _signalable() -> bool:
+    """As a uid: whether kill(-1) reaches any other process of it (a zombie included)."""
     try:
         os.kill(-1, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return _living(uid)
+    return True
+
+
+def _has_processes(uid: int) -> bool:
+    """As `uid`: whether another live process of it exists. kill(-1, 0) reaches exactly the
+    uid's processes (cheap, and usually ESRCH); only when it hits something is /proc read,
+    because a zombie waiting for its reaper counts for kill() but holds nothing. The scan is
+    not one instant: a chain of processes that each fork and exit at once is never where it
+    looks, so it only says whether something is left after a kill(-1), never whether to kill."""
+    return _signalable() and _living(uid)
 
 
 def _living(uid: int) -> bool:
@@ -441,11 +470,22 @@ def seal_session_keyring(libc: Libc) -> None:
 
 
 def cgroups_busy(cgroups: list[list[Any]]) -> bool:
-    """Whether any task is left in the run's cgroups (tasks cannot leave them by themselves)."""
+    """Whether any task is left in the run's cgroups (tasks cannot leave them by themselves).
+    Read from a counter where there is one (v2's `populated`, the pids controller's count, which
+    holds a task from its fork until it is reaped): listing `cgroup.procs` is no instant, and a
+    chain of processes that each fork and exit at once can be missed by it."""
     for path, _ in cgroups:
         try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                if f.read().strip():
+            events = os.path.join(path, "cgroup.events")
+            if os.path.exists(events):
+                with open(events) as f:
+                    if "populated 1" in f.read():
+                        return True
+                continue
+            counter = os.path.join(path, "pids.current")
+            name = counter if os.path.exists(counter) else os.path.join(path, "cgroup.procs")
+            with open(name) as f:
+                if f.read().strip() not in ("", "0"):
                     return True
         except OSError:
             return True  # cannot tell: clean anyway
@@ -513,7 +553,7 @@ def _unlink_files(fd: int) -> str | None:
     return subdir
 
 
-def _remove_beneath(parent: int, name: str, deadline: float) -> None:
+def _remove_beneath(parent: int, name: str, deadline: float | None) -> None:
     """Remove `name` beneath directory `parent` depth first, one directory open at a time (a tree
     deeper than the descriptor limit or the recursion limit is no harder), going back up through
     ".." checked against the directory it came from."""
@@ -528,7 +568,7 @@ def _remove_beneath(parent: int, name: str, deadline: float) -> None:
     fd = _enter_dir(parent, name)
     try:
         while names:
-            if time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{len(names)} levels deep when time ran out")
             sub = _unlink_files(fd)
             if sub is not None:
@@ -548,10 +588,13 @@ def _remove_beneath(parent: int, name: str, deadline: float) -> None:
         os.close(fd)
 
 
-def remove_tree(path: str, deadline_s: float = 60.0) -> str:
+def remove_tree(path: str, deadline_s: float | None = 60.0) -> str:
     """Remove `path` and everything beneath it, whatever modes, depth or links the run left:
     without recursion, never following a link, every error caught. "" once `path` is gone,
-    else what is left and why (it is never raised: the caller reports it)."""
+    else what is left and why (it is never raised: the caller reports it). `deadline_s=None`
+    where nothing of the run is alive to add to the tree: it is finite, and removed whole however
+    long that takes (a run on many cores makes entries faster than one process removes them, so a
+    clock would leave them on the host and quarantine the uid)."""
     head, name = os.path.split(os.path.normpath(path))
     problem = ""
     try:
@@ -561,7 +604,7 @@ def remove_tree(path: str, deadline_s: float = 60.0) -> str:
     except OSError as e:
         return f"{path}: {type(e).__name__}: {e}"
     try:
-        _remove_beneath(parent, name, time.monotonic() + deadline_s)
+        _remove_beneath(parent, name, None if deadline_s is None else time.monotonic() + deadline_s)
     except Exception as e:  # noqa: BLE001 - whatever it was, the check below says what is left
         problem = f"{type(e).__name__}: {e}"
     finally:
@@ -575,10 +618,10 @@ def remove_tree(path: str, deadline_s: float = 60.0) -> str:
     return f"{path} is left ({problem or 'no error seen'})"
 
 
-def _remove_files(uid: int, workdir: str | None) -> list[str]:
+def _remove_files(uid: int, workdir: str | None, deadline_s: float | None) -> list[str]:
     """Remove what the uid created in the world-writable directories, the workdir included;
     what could not be removed."""
-    left = [remove_tree(workdir)] if workdir else []
+    left = [remove_tree(workdir, deadline_s)] if workdir else []
     for parent in SHARED_DIRS:
         try:
             entries = list(os.scandir(parent))
@@ -590,7 +633,7 @@ def _remove_files(uid: int, workdir: str | None) -> list[str]:
                     continue
             except OSError:
                 continue  # gone meanwhile
-            left.append(remove_tree(entry.path))
+            left.append(remove_tree(entry.path, deadline_s))
     return [problem for problem in left if problem]
 
 
@@ -618,7 +661,7 @@ def clean_group(pgid: int | None, workdir: str | None, reap: Any = None) -> tupl
             time.sleep(0.002)
         else:
             return CLEAN_LEFT, f"process group {pgid} survived SIGKILL for 5 s"
-    left = remove_tree(workdir) if workdir else ""
+    left = remove_tree(workdir, None) if workdir else ""  # the group is gone: nothing adds to it
     if left:
         return CLEAN_LEFT, left
     return (CLEAN_STRAYS if found else 0), ""
@@ -631,8 +674,9 @@ def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) 
     `CLEAN_LEFT` with the reason when something survived."""
     become(uid)
     lib = libc()
-    found = _has_processes(uid)
-    if found:
+    found = False
+    if _signalable():  # a live process, or a zombie: kill either way, a scan could miss a fork chain
+        found = _living(uid)
         os.kill(-1, signal.SIGKILL)  # atomic with respect to fork, unlike any scan
         deadline = time.monotonic() + 5
         while _has_processes(uid) and time.monotonic() < deadline:  # pending until each one runs
@@ -647,13 +691,14 @@ def clean_uid(uid: int, workdir: str | None, shared_ipc: bool, shared_fs: bool) 
             lib.keyctl(KEYCTL_CLEAR, serial)
             lib.keyctl(KEYCTL_INVALIDATE, serial)
     left = []
-    if _has_processes(uid):
+    alive = _has_processes(uid)
+    if alive:
         left.append(f"processes of uid {uid} survived SIGKILL for 5 s")
     if shared_ipc:
         _remove_ipc(uid)
         left += _sysv_left(uid)
-    if shared_fs:
-        left += _remove_files(uid, workdir)
+    if shared_fs:  # on a clock only while a survivor could still add to what it removes
+        left += _remove_files(uid, workdir, 60.0 if alive else None)
     if left:
         return CLEAN_LEFT, "; ".join(left)[:2000]
     return (CLEAN_STRAYS if found else 0), ""

@@ -8,6 +8,9 @@ built once per kind here). The forker forks the run, which reads its own setting
 socket (`become_run`); the forker tells the zygote the run's pid, kills its process group when
 the zygote asks (the forker is its parent, so it signals a pid it has not reaped yet, never a
 recycled one), and reports its exit status. It knows its children's pids and nothing else.
+A fork that fails (EAGAIN: an ordinary user's runs hold every process RLIMIT_NPROC allows that
+user) is tried again every `RETRY_S` until it succeeds or the zygote cancels the run (its
+timeout): the run waits for room as for a busy CPU, and the forker stays, with every other run.
 
 It is a child subreaper: whatever a run leaves (a daemon that double-forked) is reparented to
 it and reaped at once. When the zygote dies, its end of the socket closes, and the forker kills
@@ -47,6 +50,7 @@ MAX_FDS = 8
 STATUS_LIMIT = 4096  # bytes of a setup error kept
 WORKDIR_PREFIX = "sandbox-"  # a run's work dir on the host: /tmp/sandbox-<zygote pid>-<random>
 KILL_ALL_S = 10.0  # the most the forker spends killing what is left once the zygote is gone
+RETRY_S = 0.02  # between tries of a fork that failed
 
 
 def recv_fds(sock: socket.socket, size: int = 1 << 20) -> tuple[bytes, list[int]]:
@@ -73,6 +77,7 @@ class Forker:
         self.layers = layers
         self.prepared: dict[tuple[bool, ...], dict[str, Any]] = {}
         self.runs: set[int] = set()  # pids of runs not reaped yet
+        self.waiting: dict[int, tuple[dict[str, Any], int]] = {}  # run id -> (its request, its socket): not forked yet
         self.zygote = os.getppid()
 
     def serve(self) -> NoReturn:  # pragma: no cover - its own process
@@ -85,9 +90,11 @@ class Forker:
         poll.register(wake_r, select.POLLIN)
         while True:
             try:
-                ready = [fd for fd, _ in poll.poll()]
+                ready = [fd for fd, _ in poll.poll(int(RETRY_S * 1000) if self.waiting else None)]
             except InterruptedError:
                 continue
+            for msg, end in list(self.waiting.values()):
+                self.fork_run(msg, end)
             if wake_r in ready:
                 self.reap(wake_r)
             if self.sock.fileno() in ready and not self.on_request():
@@ -106,6 +113,9 @@ class Forker:
         msg = json.loads(data)
         if msg["op"] == "run":
             self.fork_run(msg, fds[0])
+        elif msg["op"] == "cancel" and msg["id"] in self.waiting:  # killed before it could be forked
+            os.close(self.waiting.pop(msg["id"])[1])
+            self.tell({"event": "cancelled", "id": msg["id"]})
         elif msg["op"] == "kill" and msg["pid"] in self.runs:  # not reaped yet: the pid is still the run's
             try:
                 os.killpg(msg["pid"], signal.SIGKILL)
@@ -119,9 +129,14 @@ class Forker:
             landlock, seccomp, mntns, own_uid = kind
             self.prepared[kind] = confine.prepare({"landlock": landlock, "seccomp": seccomp, "mntns": mntns,
                                                    "uid": 0 if own_uid else None}, self.layers)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # no room for a process now: tried again on the next turn of the loop
+            self.waiting[msg["id"]] = (msg, end)
+            return
         if pid == 0:  # pragma: no cover - the run
             become_run(end, self.prepared[kind])
+        self.waiting.pop(msg["id"], None)
         os.close(end)
         self.runs.add(pid)
         self.tell({"event": "started", "id": msg["id"], "pid": pid})
@@ -165,8 +180,9 @@ class Forker:
             names = [n for n in os.listdir("/tmp") if n.startswith(stem)]
         except OSError:
             names = []
+        alive = bool(set(_children()) | self.runs)  # none: the trees are finite, removed whole
         for name in names:
-            child.remove_tree(os.path.join("/tmp", name))
+            child.remove_tree(os.path.join("/tmp", name), 60.0 if alive else None)
 
 
 def _children() -> list[int]:

@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import pwd
+import resource
 import sys
 import sysconfig
 import threading
@@ -80,6 +81,7 @@ _GIB, _MIB = 1 << 30, 1 << 20
 MIN_PROCESS_BYTES = 256 * _MIB  # without cgroups: the least address space worth a process
 MIN_FILES = 16  # descriptors a process keeps whatever the budget (stdio, imports, a few files)
 KERNEL_SHARE = 4  # at most 1/KERNEL_SHARE of a run's memory is what the kernel holds for its descriptors
+ENGINE_ROOM = 32  # without a uid per run: tasks of the user's RLIMIT_NPROC no run may take (the engine's own)
 
 
 class SandboxError(RuntimeError):
@@ -363,13 +365,16 @@ MULTIPROCESSING = ("refused: its locks and pools need /dev/shm, which a run may 
 
 def cannot_hold(caps: _Capabilities, layers: dict[str, Any]) -> list[str]:
     """What the sandbox cannot hold on this host, in words (see docs/sandbox-modes.md)."""
-    gaps = []
+    gaps = [("signals between concurrent runs through a futex on a file page they all map (the interpreter's): "
+             "the kernel keys it by the file; only separate machines hold it")]
     if not caps.mntns:
         gaps.append("total disk use of a run: no private tmpfs, RLIMIT_FSIZE bounds each file only")
         gaps.append("sizes and owners of files outside the work dir that the run's uid may look up: Landlock does "
                     "not mediate stat, only a mount namespace hides a path")
     if caps.cgroup == "rlimits":
-        gaps.append("memory and tasks across a run's processes: per-process rlimits sized to the budget only")
+        gaps.append("memory and tasks across a run's processes: per-process rlimits sized to the budget only; the "
+                    "page tables behind a sparse address space (up to twice it) are counted by none: the runs are "
+                    "the OOM killer's first choice")
     if not caps.root:
         gaps.append("RLIMIT_NPROC counts all of this user's processes: a run's processes share one budget "
                     "with the engine and the user's other runs")
@@ -489,6 +494,12 @@ def _rlimits(limits: SandboxLimits, caps: _Capabilities, uid: int | None) -> dic
     # leftovers of the uid would make the kernel refuse the drop (PF_NPROC_EXCEEDED).
     if uid is None:  # without a uid of our own it must leave room for this user's others (and the supervisor)
         nproc += _tasks_of(os.getuid()) + 1
+        # ... and never reach the engine's own limit: the kernel checks each fork against the forking
+        # process's limit, so concurrent runs' fork bombs stop ENGINE_ROOM tasks short of it, and the
+        # engine, its zygote and forker can still start a thread or a process.
+        engine, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if engine != resource.RLIM_INFINITY:
+            nproc = max(1, min(nproc, engine - ENGINE_ROOM))
     return {"NPROC": nproc, "FSIZE": limits.max_file_bytes, "NOFILE": budget.files,
             "CPU": limits.cpu_seconds(), "AS": budget.address_space}
 
@@ -648,11 +659,14 @@ class _Collector:
 
 
 def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """`data` in a sealed memfd: the run may read it, never write it, grow it or shrink it (its
+    pages are the engine's, outside the run's budget where no cgroup counts them)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
     os.lseek(fd, 0, os.SEEK_SET)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
     return fd
 
 

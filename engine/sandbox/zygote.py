@@ -100,6 +100,7 @@ class Zygote:
         self.sel.register(self.wake_r, selectors.EVENT_READ, "sigchld")
         self.templates: dict[str, int | None] = {}  # hide + expose -> the template mount namespace
         self.holders: list[int] = []  # the processes keeping the templates alive
+        self.unforked: list[tuple[dict[str, Any], bool]] = []  # cleanups whose helper could not be forked yet
 
     def template(self, cfg: dict[str, Any]) -> int | None:
         """A descriptor of the mount namespace runs like `cfg` start from, built on first use
@@ -139,7 +140,8 @@ class Zygote:
     def serve(self) -> None:
         """Serve until the engine closes its end (or the forker is gone: nothing could run)."""
         while True:
-            for key, _ in self.sel.select():
+            self.retry_helpers()
+            for key, _ in self.sel.select(forker.RETRY_S if self.unforked else None):
                 if key.data == "engine":
                     if not self.on_request():
                         self.shutdown()
@@ -185,6 +187,8 @@ class Zygote:
             run["killed"] = True
             if run["pid"] is not None:
                 self.tell_forker({"op": "kill", "pid": run["pid"]})
+            elif run["status"] is not None:  # handed to the forker, not forked yet (no room for a process)
+                self.tell_forker({"op": "cancel", "id": run["id"]})
         return True
 
     def tell_forker(self, message: dict[str, Any], fds: list[int] | None = None) -> bool:
@@ -242,6 +246,10 @@ class Zygote:
                 self.by_pid[msg["pid"]] = run["id"]
                 if run["killed"]:
                     self.tell_forker({"op": "kill", "pid": msg["pid"]})
+        elif msg["event"] == "cancelled":  # never forked: nothing of it ran, nothing to clean
+            run = self.runs.get(msg["id"])
+            if run is not None:
+                self.finish(run, None, False)
         elif msg["event"] == "exited":
             run_id = self.by_pid.pop(msg["pid"], None)
             if run_id is not None:
@@ -306,13 +314,31 @@ class Zygote:
             return False
 
     def start_clean(self, run: dict[str, Any], first: bool = False) -> None:
-        cfg = run["cfg"]
-        uid, workdir = cfg["uid"], None if cfg["mntns"] else cfg["workdir"]
         if not first and not self.needs_clean(run):
             self.finish(run, run["rc"], run["strays"])
             return
+        self.fork_helper(run, first)
+
+    def retry_helpers(self) -> None:
+        """Fork the cleanup helpers that found no room for a process before."""
+        waiting, self.unforked = self.unforked, []
+        for run, first in waiting:
+            self.fork_helper(run, first)
+
+    def fork_helper(self, run: dict[str, Any], first: bool) -> None:
+        """The cleanup helper of `run`; where no process can be forked now (EAGAIN: an ordinary
+        user's runs hold every process its RLIMIT_NPROC allows, or a container's pids limit is
+        reached) it is tried again every `forker.RETRY_S`, the run's result waiting for it."""
+        cfg = run["cfg"]
+        uid, workdir = cfg["uid"], None if cfg["mntns"] else cfg["workdir"]
         said_r, said_w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(said_r)
+            os.close(said_w)
+            self.unforked.append((run, first))
+            return
         if pid == 0:  # pragma: no cover - the helper
             code = child.CLEAN_LEFT
             try:
@@ -386,8 +412,8 @@ class Zygote:
             return False
 
     def cleaning(self) -> set[int]:
-        """Runs a helper is cleaning up after (or before) now."""
-        return {run_id for run_id, _, _ in self.waiting.values()}
+        """Runs a helper is cleaning up after (or before) now, or is about to."""
+        return {run_id for run_id, _, _ in self.waiting.values()} | {run["id"] for run, _ in self.unforked}
 
     def shutdown(self, forker_gone: bool = False) -> None:
         """The engine (or the forker) is gone: kill every run, clean up after it, exit."""
@@ -413,7 +439,8 @@ class Zygote:
             if forker_gone:  # a run not started (nor being cleaned) never will be
                 for run in [r for r in self.runs.values() if r["id"] not in self.cleaning()]:
                     self.finish(run, None, False, "the sandbox's forker is gone")
-            for key, _ in self.sel.select(timeout=1):
+            self.retry_helpers()
+            for key, _ in self.sel.select(timeout=forker.RETRY_S if self.unforked else 1):
                 if key.data == "sigchld":
                     self.reap()
                 elif key.data == "forker" and not self.on_forker():

@@ -122,7 +122,7 @@ async def _bad_server(kind: str, posts: list[int]) -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handle)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)  # a hung handler is not waited for (60 s by default)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -268,6 +268,11 @@ def test_cancellation_kills_the_child() -> None:
 def test_stdin_and_isolation_report() -> None:
     r = run(run_python("print(input()[::-1])", FAST, stdin=b"olleh\n"))
     assert r.stdout == "hello\n"
+    # The stdin handed over is the engine's memory: sealed, the run reads it and nothing more.
+    tries = "import os\nfor f in (lambda: os.pwrite(0, b'x', 0), lambda: os.ftruncate(0, 1 << 20)):\n" \
+            "    try:\n        f()\n        print('ok')\n    except OSError as e:\n        print(e.errno)\n"
+    r = run(run_python(tries, FAST, stdin=b"olleh\n"))
+    assert r.stdout.split() == ["1", "1"], r.stdout + r.stderr  # EPERM, EPERM
     assert isinstance(network_isolated(), bool) and isinstance(filesystem_isolated(), bool)
 
 

@@ -15,6 +15,8 @@ import logging
 import os
 import signal
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +104,80 @@ def test_remove_tree_says_what_it_could_not_remove(tmp_path: Path) -> None:
     finally:
         _immutable(str(stuck), False)
     assert child.remove_tree(str(top)) == "" and not top.exists()
+
+
+def test_a_tree_too_big_for_the_clock_is_removed_whole_once_nothing_of_the_run_is_alive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run on many cores makes entries faster than one process removes them. Here every reading of
+    # the clock is a minute later: on a clock, removal stops at once; once the run's processes are
+    # gone (a process group that is no more), the tree is finite and goes whole.
+    top = tmp_path / "work"
+    for i in range(20):
+        (top / f"d{i}").mkdir(parents=True)
+        (top / f"d{i}" / "f").write_text("x")
+    now = [0.0]
+
+    def minute_later() -> float:
+        now[0] += 60.0
+        return now[0]
+
+    monkeypatch.setattr(child.time, "monotonic", minute_later)
+    assert "TimeoutError" in child.remove_tree(str(top)) and top.exists()
+    assert child.clean_group(None, str(top)) == (0, "")
+    assert not top.exists()
+
+
+def test_a_run_cgroup_is_busy_by_its_counter_not_by_a_listing(tmp_path: Path) -> None:
+    # A fork chain is never in a listing of cgroup.procs for long; the pids controller's count and
+    # v2's `populated` hold each task from its fork until it is reaped.
+    v1 = tmp_path / "pids"
+    v1.mkdir()
+    (v1 / "cgroup.procs").write_text("")  # the listing missed it
+    (v1 / "pids.current").write_text("1\n")
+    assert child.cgroups_busy([[str(v1), []]])
+    (v1 / "pids.current").write_text("0\n")
+    assert not child.cgroups_busy([[str(v1), []]])
+    v2 = tmp_path / "unified"
+    v2.mkdir()
+    (v2 / "cgroup.procs").write_text("")
+    (v2 / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    assert child.cgroups_busy([[str(v2), []]])
+    (v2 / "cgroup.events").write_text("populated 0\nfrozen 0\n")
+    assert not child.cgroups_busy([[str(v2), []]])
+    memory = tmp_path / "memory"  # no counter: the listing it is
+    memory.mkdir()
+    (memory / "cgroup.procs").write_text("42\n")
+    assert child.cgroups_busy([[str(v1), []], [str(memory), []]])
+    assert child.cgroups_busy([[str(tmp_path / "gone"), []]])  # cannot tell: clean
+
+
+def test_without_a_uid_per_run_runs_stop_short_of_the_engines_own_process_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # RLIMIT_NPROC counts all of the user's tasks, and each fork is checked against the forking
+    # process's own limit: a run's stays ENGINE_ROOM below the engine's, so fork bombs in every run
+    # together leave the engine room for its threads, its zygote's and its forker's forks.
+    caps = sandbox._Capabilities(root=False)
+    monkeypatch.setattr(sandbox, "_tasks_of", lambda uid: 90)
+    monkeypatch.setattr(sandbox.resource, "getrlimit", lambda which: (100, 200))
+    assert sandbox._rlimits(SandboxLimits(), caps, None)["NPROC"] == 100 - sandbox.ENGINE_ROOM
+    monkeypatch.setattr(sandbox.resource, "getrlimit", lambda which: (sandbox.resource.RLIM_INFINITY,) * 2)
+    assert sandbox._rlimits(SandboxLimits(), caps, None)["NPROC"] == 16 + 90 + 1  # 4 GiB: 16 processes
+    monkeypatch.setattr(sandbox.resource, "getrlimit", lambda which: (20, 20))
+    assert sandbox._rlimits(SandboxLimits(), caps, None)["NPROC"] == 1  # no room at all: the run alone
+
+
+def test_a_host_that_forbids_core_dumps_still_runs_code() -> None:
+    # A run's core limit is 1 (no helper of the host's for a crash), unless the engine's hard limit is
+    # 0 already: raising it needs a capability, and the run keeps 0 rather than fail its setup.
+    code = ("import asyncio, resource\nresource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+            "from engine.sandbox import SandboxLimits, run_python\n"
+            "r = asyncio.run(run_python('import resource; print(resource.getrlimit(resource.RLIMIT_CORE))', "
+            "SandboxLimits(timeout_s=10)))\nprint(r.returncode, r.stdout.strip())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.strip() == "0 (0, 0)", done.stderr[-500:]
+    assert asyncio.run(run_python("import resource; print(resource.getrlimit(resource.RLIMIT_CORE))",
+                                  FAST)).stdout == "(1, 1)\n"
 
 
 @pytest.fixture

@@ -118,8 +118,8 @@ def test_a_foreign_system_call_table_kills_the_run_and_says_so() -> None:
     assert text.error == "crash" and "killed by SIGSYS" in text.text, text.text
 
 
-ALLOW, EPERM, ENOSYS, NOOP = (allowlist.RET_ALLOW, allowlist.RET_ERRNO | 1, allowlist.RET_ERRNO | 38,
-                              allowlist.RET_ERRNO)
+ALLOW, EPERM, ENOTTY, ENOSYS, NOOP = (allowlist.RET_ALLOW, allowlist.RET_ERRNO | 1, allowlist.RET_ERRNO | 25,
+                                      allowlist.RET_ERRNO | 38, allowlist.RET_ERRNO)
 NR = {name: spec[0] for table in (allowlist.ALLOWED, allowlist.FILTERED, allowlist.ENOSYS_CALLS)
       for name, spec in table.items()}
 
@@ -166,7 +166,17 @@ def test_the_argument_rules_let_one_use_through() -> None:
             assert _says(prog, "fcntl", 3, cmd) == ALLOW
         for cmd in (5, 6, 7, 36, 37, 38, 8, 1024, 1026, 1031):  # locks, SIGIO owner, lease, dnotify, pipe size
             assert _says(prog, "fcntl", 3, cmd) == EPERM
-        assert _says(prog, "ioctl", 1, 0x5401) == ALLOW and _says(prog, "ioctl", 0, 0x5412) == EPERM
+        for request in (0x5401, 0x5413, 0x541B, 0x5421, 0x5451, 0x80086601, 1 << 32 | 0x5401):  # queries
+            assert _says(prog, "ioctl", 1, request) == ALLOW, hex(request)
+        # TIOCSTI, FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR, FIOSETOWN, SIOCSPGRP, FIOASYNC, FICLONE, a device's
+        for request in (0x5412, 0x40086602, 0x401C5820, 0x8901, 0x8902, 0x5452, 0x40049409, 0xC0104601):
+            assert _says(prog, "ioctl", 3, request) == ENOTTY, hex(request)
+        # The core limit stays 1 (never dump, whatever core_pattern): setting it does nothing, reading it works.
+        assert _says(prog, "setrlimit", 4, 0) == NOOP and _says(prog, "setrlimit", 7, 0) == ALLOW
+        assert _says(prog, "prlimit64", 0, 4, 0, 1 << 20) == ALLOW  # getrlimit(RLIMIT_CORE)
+        for new in (1 << 20, 1 << 40):
+            assert _says(prog, "prlimit64", 0, 4, new, 0) == NOOP
+        assert _says(prog, "prlimit64", 0, 7, 1 << 20, 0) == ALLOW
         assert _says(prog, "prctl", 15) == ALLOW and _says(prog, "prctl", 35) == EPERM  # NAME; PR_SET_MM
         assert _says(prog, "prlimit64", 0, 7) == ALLOW and _says(prog, "prlimit64", 1, 7) == EPERM
         assert _says(prog, "setpriority", 0, 0, 5) == ALLOW and _says(prog, "setpriority", 2, 0, 5) == EPERM

@@ -16,12 +16,11 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import uuid
 
 from engine.sandbox import runner as sandbox
 from engine.sandbox.attacks.kernel import _meminfo, _one_uid
-from engine.sandbox.attacks.lab import PROJECT, Lab, Verdict, attack
+from engine.sandbox.attacks.lab import PROJECT, SITE, Lab, Verdict, attack, site_file
 
 _MIB = 1 << 20
 DENIED = {"EPERM", "EACCES", "EROFS", "ENOENT"}
@@ -205,16 +204,10 @@ report(made=made, stop=stop)
 
 @attack("file metadata through a read-only descriptor")
 async def metadata_by_fd(lab: Lab) -> Verdict:
-    # A file of the engine's own user where the run may read it (its interpreter's site-packages,
-    # which an ordinary user owns): only the sandbox stands between the run and its mode.
-    site = sysconfig.get_paths()["purelib"]
-    path = os.path.join(site, f"attack-meta-{uuid.uuid4().hex[:8]}.txt")
-    try:
-        with open(path, "w") as f:  # noqa: ASYNC230 - one byte
-            f.write("x")
-        os.chmod(path, 0o644)
+    try:  # a file of the engine's own user: only the sandbox stands between the run and its mode
+        path = site_file("attack-meta")
     except OSError as e:
-        return Verdict(True, f"nothing to attack: the engine's user cannot write {site} ({e.strerror})", "")
+        return Verdict(True, f"nothing to attack: the engine's user cannot write {SITE} ({e.strerror})", "")
     before = os.stat(path)
     code = f"""
 import ctypes, os

@@ -11,7 +11,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sysconfig
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -124,6 +126,20 @@ def attack(name: str) -> Callable[[AttackFn], AttackFn]:
         return fn
 
     return register
+
+
+def site_file(stem: str) -> str:
+    """A new one-byte file of the engine's own user where a run may read it (its interpreter's
+    site-packages, which an ordinary user owns): only the sandbox stands between the run and it.
+    Raises OSError where the engine's user may not write there (`SITE` names the place)."""
+    path = os.path.join(SITE, f"{stem}-{uuid.uuid4().hex[:8]}.txt")
+    with open(path, "w") as f:
+        f.write("x")
+    os.chmod(path, 0o644)
+    return path
+
+
+SITE = sysconfig.get_paths()["purelib"]
 
 
 def alive(pid: int) -> bool:

@@ -12,7 +12,9 @@ network, privileges, other processes), `kernel.py` (memory across processes, sha
 memory, SysV, keyrings, uid reuse after a crash, a venv under /tmp), `layers.py` (what only
 Landlock and seccomp hold without privileges, and that ordinary code still runs), `escapes.py`
 (forged reports, files and queues that outlive a call, metadata through a descriptor, kernel
-buffers) and `leaks.py` (what a run could learn of the host or signal to another run); this module holds
+buffers), `leaks.py` (what a run could learn of the host or signal to another run) and `admitted.py`
+(calls the allowlist admits with arguments it did not think of, and what the kernel shares beneath
+every run: ioctl, a descriptor's signal owner, futexes, page tables, core dumps, scheduling, stdin); this module holds
 what they share (`Lab`, `attack`), the runner and the report. After each attack, no
 process of a sandbox uid that attack's runs used may be alive: a survivor marks the attack
 not contained whatever else was seen.
@@ -44,6 +46,7 @@ def all_attacks() -> list[tuple[str, AttackFn]]:
     from engine.sandbox.attacks import layers  # noqa: F401  (what Landlock and seccomp hold)
     from engine.sandbox.attacks import escapes  # noqa: F401  (found from outside the suite)
     from engine.sandbox.attacks import leaks  # noqa: F401
+    from engine.sandbox.attacks import admitted  # noqa: F401  (what the allowlist admits, what the kernel shares)
 
     return list(ATTACKS)
 
