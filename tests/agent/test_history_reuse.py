@@ -153,3 +153,47 @@ def test_through_the_door_a_sessions_second_call_gets_the_messages_read_for_its_
     assert third.messages[:-2] == second.messages and third.messages[0] is not second.messages[0]
     kept = sessions.kept["k"]
     assert set(kept) == {"engine.agent.chat"} and kept["engine.agent.chat"].messages == second.messages
+
+
+def messages_turns(n: int) -> list[dict[str, Any]]:
+    """An Anthropic history of `n` tool turns."""
+    history: list[dict[str, Any]] = [{"role": "user", "content": "1+2, then +2"}]
+    for k in range(n):
+        history.append({"role": "assistant", "content": [
+            {"type": "tool_use", "id": f"toolu_{k}", "name": "add", "input": {"a": 1, "b": 2}}]})
+        history.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{k}", "content": str(3 + 2 * k)}]})
+    return history
+
+
+@pytest.mark.parametrize("protocol", ["chat", "messages"])
+def test_through_the_door_an_earlier_message_changed_between_calls_is_read_as_changed(protocol: str) -> None:
+    """A harness that rewrites an earlier message (a tool result redacted, say) gets it read
+    again: the sessions see the new text, never the one kept from the last call, and what came
+    before it still the very objects read then."""
+    answer = ModelAnswer(text="ok", usage=Usage(1, 1), id="a")
+    sessions = ScriptedSessions({"k": [answer, answer]})
+    if protocol == "chat":
+        path, first, second = "/chat/completions", chat_turns(3), chat_turns(4)
+        second[5]["content"] = "redacted"  # the second tool result (5)
+        body = chat_body
+    else:
+        path, first, second = "/messages", messages_turns(3), messages_turns(4)
+        second[4]["content"][0]["content"] = "redacted"  # the second tool result (5)
+
+        def body(history: list[dict[str, Any]]) -> dict[str, Any]:
+            return {"model": MODEL, "max_tokens": 8, "messages": history}
+
+    async def go() -> None:
+        async with running(sessions) as door:
+            async with httpx.AsyncClient(base_url=door.session_url("k") + "/v1") as client:
+                for history in (first, second):
+                    reply = await client.post(path, json=body(history), headers={"x-api-key": "k"})
+                    assert reply.status_code == 200, reply.text
+
+    asyncio.run(go())
+    before, after = sessions.calls["k"]
+    changed = next(i for i, m in enumerate(before.messages) if m.role == "tool" and m.text() == "5")
+    assert after.messages[changed].text() == "redacted" and before.messages[changed].text() == "5"
+    assert all(a is b for a, b in zip(before.messages[:changed], after.messages[:changed]))
+    assert len(after.messages) == len(before.messages) + 2
