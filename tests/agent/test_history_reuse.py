@@ -197,3 +197,25 @@ def test_through_the_door_an_earlier_message_changed_between_calls_is_read_as_ch
     assert after.messages[changed].text() == "redacted" and before.messages[changed].text() == "5"
     assert all(a is b for a, b in zip(before.messages[:changed], after.messages[:changed]))
     assert len(after.messages) == len(before.messages) + 2
+
+
+def test_sessions_without_notes_are_served_each_request_read_whole() -> None:
+    """`notes` is optional in the sessions' protocol: without it nothing is kept between calls."""
+    answer = ModelAnswer(text="ok", usage=Usage(1, 1), id="a")
+    scripted = ScriptedSessions({"k": [answer, answer]})
+
+    class Plain:  # the three methods alone
+        call, count_tokens, models = scripted.call, scripted.count_tokens, scripted.models
+
+    async def go() -> None:
+        async with running(Plain()) as door:  # type: ignore[arg-type]
+            async with httpx.AsyncClient(base_url=door.session_url("k") + "/v1") as client:
+                for turns in (2, 3):
+                    reply = await client.post("/chat/completions", json=chat_body(chat_turns(turns)))
+                    assert reply.status_code == 200, reply.text
+
+    asyncio.run(go())
+    first, second = scripted.calls["k"]
+    assert second.messages[:len(first.messages)] == first.messages
+    assert not any(a is b for a, b in zip(first.messages, second.messages))  # read again, nothing kept
+    assert scripted.kept == {}
