@@ -121,10 +121,17 @@ def add_setting_flag(group: Any, row: Setting) -> None:
     group.add_argument(flag.name, **options)
 
 
-def add_run_arguments(run: argparse.ArgumentParser) -> None:
-    """The `run` options: its own (input, output, the YAML, the replay), then one per setting declared with
-    a flag (the engine's, and those of the plugins imported by now: see `load_run_plugins`), in its group."""
+def add_run_arguments(run: argparse.ArgumentParser, demos: bool = False) -> None:
+    """The `run` options: its own (input, output, the YAML, the replay, with `demos` the shipped demo to
+    run), then one per setting declared with a flag (the engine's, and those of the plugins imported by
+    now: see `load_run_plugins`), in its group."""
     io = run.add_argument_group("input and output")
+    if demos:
+        from engine.local.demos import DEMOS
+
+        io.add_argument("--demo", choices=sorted(DEMOS), help="the shipped demo whose prompts, replay and settings "
+                        "to run: tools (math with a code interpreter), long (a 100-turn rollout under a 4k context, "
+                        "compacted); an --input, --replay or flag given replaces the demo's (default: tools)")
     io.add_argument("--input", metavar="FILE", help="JSONL of prompts, one {\"prompt\": ..., \"label\": ...} per line "
                     "(default: the shipped demo set)")
     io.add_argument("--output", metavar="FILE", default="samples.jsonl", help="where the samples go (JSONL, in input order)")
@@ -163,7 +170,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     run.epilog = ("A name in [brackets] is the key of slime's args (and of the --custom-config-path YAML) that the "
                   "option sets. Exit status: 0 done, 1 every sample or every tool call failed (or a tool cannot "
                   "work), 2 a bad argument, 130 interrupted (what finished is kept).")
-    add_run_arguments(run)
+    add_run_arguments(run, demos=True)
 
     agent = command("agent", _lazy("engine.run:main_agent"), "run an agent per prompt against a server "
                     "(default: the demo's agent and the embedded server) and write its samples: `agent [options] -- CMD ...`")

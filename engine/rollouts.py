@@ -32,7 +32,9 @@ def sampling_params(temperature: float = _DEFAULT.rollout_temperature, top_p: fl
 
 async def roll_out(rt: Runtime, prompt: Any, params: dict[str, Any] | None = None, *, label: Any = None,
                    metadata: dict[str, Any] | None = None, index: int | None = None, score: bool = True) -> Any:
-    """Roll one prompt (a string or a list of chat messages) out; return the finished sample.
+    """Roll one prompt (a string or a list of chat messages) out; return the finished sample, or
+    its samples sharing `rollout_id` where the runtime's samples fan out (`Runtime.fans_out`:
+    compaction, a template's render that drops earlier reasoning, one sample per turn).
 
     Never raises but CancelledError: whatever goes wrong is the sample's status and
     `metadata["fsm"]["termination_reason"]`. With `score`, `sample.reward` is the retool reward.
@@ -41,19 +43,22 @@ async def roll_out(rt: Runtime, prompt: Any, params: dict[str, Any] | None = Non
     from engine.slime import reward_func, run_sample
 
     sample = Sample(prompt=prompt, label=label, index=index, metadata=dict(metadata or {}))
-    await run_sample(rt, sample, dict(params if params is not None else sampling_params()))
-    if score and sample.status.name != "ABORTED":
-        sample.reward = await reward_func(None, sample)
-    return sample
+    out = await run_sample(rt, sample, dict(params if params is not None else sampling_params()))
+    for each in out if isinstance(out, list) else [out]:
+        if score and each.status.name != "ABORTED":
+            each.reward = await reward_func(None, each)
+    return out
 
 
 async def roll_out_all(rt: Runtime, prompts: Iterable[Any], params: dict[str, Any] | None = None, *,
                        n_samples_per_prompt: int = 1, score: bool = True) -> list[Any]:
-    """Roll every prompt out `n_samples_per_prompt` times, concurrently; samples in input order."""
+    """Roll every prompt out `n_samples_per_prompt` times, concurrently; samples (or lists of them,
+    as `roll_out` returns) in input order."""
     jobs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(n_samples_per_prompt)]
     samples = await asyncio.gather(*(roll_out(rt, prompt, params, index=k, score=score) for k, (_, prompt) in enumerate(jobs)))
-    for sample, (group, _) in zip(samples, jobs):
-        sample.group_index = group
+    for out, (group, _) in zip(samples, jobs):
+        for sample in out if isinstance(out, list) else [out]:
+            sample.group_index = group
     return list(samples)
 
 

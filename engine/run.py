@@ -39,7 +39,7 @@ from engine.logs import warn_once
 from engine.settings import sources
 from engine.settings.core import EngineConfig, Sampling, flagged_settings, load_plugins, run_rows
 from engine.settings.declare import SettingsError, declared_keys, read_key
-from engine.local.demos import demo_file, demo_replay
+from engine.local.demos import DEMOS, demo_file, demo_replay
 from engine.local.sample import Sample
 from engine.sglang.client import request_once
 
@@ -238,13 +238,17 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
         where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
         raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     try:
-        make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser)
+        profile = make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser)
     except Exception as exc:
         if cfg.tool_parser is not None and str(exc).startswith("unknown tool parser"):
             raise UsageError(f"{_origin(ns, 'engine_tool_parser')}: {exc}") from None
         if cfg.reasoning_parser is not None and ("reasoning parser" in str(exc) or "engine_reasoning_parser" in str(exc)):
             raise UsageError(f"{_origin(ns, 'engine_reasoning_parser')}: {exc}") from None
         raise UsageError(f"{_origin(ns, 'engine_profile')} {cfg.profile}: {exc}") from None
+    if cfg.compaction != "off" and not callable(getattr(profile, "render_messages", None)):
+        from engine.loop.runtime import compaction_needs_chat
+
+        raise UsageError(f"{_origin(ns, 'engine_compaction')} {cfg.compaction}: {compaction_needs_chat(cfg.profile)}")
     return tokenizer
 
 
@@ -333,7 +337,13 @@ def check_agent(ns: argparse.Namespace, cfg: EngineConfig) -> None:
 
 def plan_run(ns: argparse.Namespace) -> Plan:
     """Check every argument, cheapest first; raises UsageError (or CannotRun for a dead tool)."""
-    in_path = ns.input or demo_file("prompts.jsonl")
+    prompts, demo_script, demo_settings = DEMOS[getattr(ns, "demo", None) or "tools"]
+    if demo_settings:
+        if ns.config:
+            raise UsageError(f"--config: --demo {ns.demo} runs with its own settings ({demo_file(demo_settings)}); "
+                             "give yours as flags, or copy that file and drop --demo")
+        ns.config = demo_file(demo_settings)
+    in_path = ns.input or demo_file(prompts)
     check_output(ns.output, in_path)
     try:
         args = settings_args(ns)
@@ -350,7 +360,7 @@ def plan_run(ns: argparse.Namespace) -> Plan:
         raise UsageError("--replay: only the embedded server replays a script; drop --replay or --server")
     replay = None
     if not server:
-        replay = ns.replay or demo_replay(cfg.profile, cfg.tool_parser)
+        replay = ns.replay or (demo_file(demo_script) if demo_script else demo_replay(cfg.profile, cfg.tool_parser))
         try:
             from engine.local.server.replay import load_replay
 
@@ -471,9 +481,9 @@ async def roll_out(plan: Plan, cfg: EngineConfig, out_path: str) -> int:
             async with gate:
                 if cfg.agent is not None:  # the agent's segments: one sample each
                     out = await run_agent_sample(rt, sample, dict(plan.params))
-                    done = out if isinstance(out, list) else [out]
-                else:
-                    done = [await run_sample(rt, sample, dict(plan.params))]
+                else:  # a sample, or its segments (or turns) where samples fan out
+                    out = await run_sample(rt, sample, dict(plan.params))
+                done = out if isinstance(out, list) else [out]
                 for each in done:
                     if each.status.name in ("COMPLETED", "TRUNCATED", "FAILED") and each.reward is None:
                         each.reward = await reward_func(None, each)
@@ -573,8 +583,12 @@ def _run_planned(plan: Plan) -> int:
             if problem:
                 print(f"error: {problem}", file=sys.stderr)
                 return EXIT_USAGE
-            cfg = attrs.evolve(plan.cfg, server_url=url.rstrip("/"),
-                               max_context_len=plan.cfg.max_context_len or server_context_length(url))
+            try:  # the server's context may refuse a setting measured against it (a compaction threshold)
+                cfg = attrs.evolve(plan.cfg, server_url=url.rstrip("/"),
+                                   max_context_len=plan.cfg.max_context_len or server_context_length(url))
+            except SettingsError as exc:
+                print(f"error: {exc} (the server's context)", file=sys.stderr)
+                return EXIT_USAGE
             started = time.perf_counter()
             retries = asyncio.run(roll_out(plan, cfg, partial))
     except CannotRun as exc:

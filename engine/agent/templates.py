@@ -10,7 +10,6 @@ tokens, into a `ModelAnswer`'s parts with the profile's reasoning and tool parse
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -110,32 +109,16 @@ class TurnRead:
 
 
 def read_turn(profile: Any, text: str, schemas: dict[str, Any]) -> TurnRead:
-    """Read a turn's text as SGLang serves it: the profile's reasoning parser (`engine_reasoning_parser`)
-    splits off the reasoning, its tool parser reads the calls (typed by the call's own tool schemas);
-    a call's id is the one the format wrote (Mistral, Kimi K2), else a new one."""
+    """Read a turn's text as SGLang serves it (`ChatProfile.read_turn`: the reasoning parser splits
+    off the reasoning, the tool parser reads the calls, typed by the call's own tool schemas); a
+    call's id is the one the format wrote (Mistral, Kimi K2), else a new one."""
     reading = profile.read_turn(text, schemas=schemas)
-    content = strip_turn_end(profile, reading.content)
     reasoning = reading.reasoning.strip() or None
     if any(c.error for c in reading.calls):  # the turn as the model wrote it, outside its reasoning
-        acting = profile.reasoning.split(text, profile.thinking_forced)[1] if profile.reasoning is not None else text
-        return TurnRead(reasoning, strip_turn_end(profile, acting).strip(), (), malformed=True)
+        return TurnRead(reasoning, profile.strip_turn_end(profile.split_reasoning(text)[1]).strip(), (), malformed=True)
     calls = tuple(CallMade(c.id or uuid.uuid4().hex[:24], c.name, json.dumps(c.arguments, ensure_ascii=False))
                   for c in reading.calls)
-    return TurnRead(reasoning, content.strip(), calls)
-
-
-def strip_turn_end(profile: Any, text: str) -> str:
-    """`text` without the special tokens that end it (the turn's closing token, an EOS)."""
-    specials = profile.codec.special_pattern
-    if specials is None:
-        return text
-    tail = _TAILS.get(specials.pattern)
-    if tail is None:
-        tail = _TAILS[specials.pattern] = re.compile(f"(?:\\s*(?:{specials.pattern}))+\\s*$")
-    return tail.sub("", text)
-
-
-_TAILS: dict[str, re.Pattern[str]] = {}  # one compiled tail per tokenizer's specials
+    return TurnRead(reasoning, reading.content.strip(), calls)
 
 
 def made_calls(calls: Sequence[CallMade]) -> list[ToolCall]:

@@ -1,9 +1,18 @@
-"""The shipped demo, by path: its prompts and its replay scripts (one per turn format)."""
+"""The shipped demos, by path: their prompts, their replay scripts (one per turn format) and settings."""
 
 from __future__ import annotations
 
 import os
 from importlib import resources
+
+
+# `run --demo NAME`: the prompts, the replay script and the settings (a --config YAML) of each
+# demo; None where `run`'s own default applies (the replay: the demo's in the profile's format).
+DEMOS: dict[str, tuple[str, str | None, str | None]] = {
+    "tools": ("prompts.jsonl", None, None),
+    # one prompt, 99 code calls and an answer under a 4k context: compacted twice, three samples
+    "long": ("long-prompts.jsonl", "replay-long.jsonl", "long.yaml"),
+}
 
 
 def demo_file(name: str) -> str:

@@ -31,6 +31,10 @@ OUTSIDE_REASONS: dict[str, str] = {
     "history_compacted": "COMPLETED",
     "history_forked": "COMPLETED",
     "history_contradicts": "COMPLETED",
+    # a segment a compaction closed (engine_compaction), and a model turn's own sample (engine_samples: per_turn)
+    "summarized": "COMPLETED",
+    "oldest_dropped": "COMPLETED",
+    "per_turn": "COMPLETED",
 }
 # A stand-in tool name: every tool's state adds the same reasons (`tool_unavailable`).
 REASON_STATUS: dict[str, str] = {**MachineSpec.from_registry(tool_names=("any",)).reason_statuses(), **OUTSIDE_REASONS}
@@ -155,6 +159,12 @@ def _i6(sample: Any, reason: str | None) -> list[str]:
         end = BREAK_DEST
         if segment["ended_by"] != reason:
             out.append(f"I6: the segment ended by {segment['ended_by']!r} has the reason {reason!r}")
+    if segment.get("per_turn"):
+        # A turn's own sample: its path goes on from where the turn before it stopped, and one that
+        # is not its segment's last stops where its reply led (the next turn's path begins there).
+        start = trace[0][0] if trace and segment.get("index") else start
+        if segment.get("ended_by") == "per_turn":
+            end = trace[-1][2] if trace and trace[-1][2] not in TERMINALS else "a state that is not terminal"
     if reason in UNROLLED_REASONS:
         if trace:
             out.append(f"I6: {reason} but the sample has a trace")

@@ -43,8 +43,12 @@ class Outcome:
 
 
 def caller_requeues(rt: Runtime) -> bool:
-    """Whether an ABORTED sample will be re-queued by whoever called (so it may be handed back)."""
-    return rt.cfg.abort_status == "aborted" or rt.cfg.fully_async or rt.abort_requested()
+    """Whether an ABORTED sample will be re-queued by whoever called (so it may be handed back).
+
+    slime's fully-async worker re-queues a group holding an ABORTED sample, but reads the status
+    of each element: one inside a list (fan-out) it does not see, and would train."""
+    return (rt.cfg.abort_status == "aborted" or (rt.cfg.fully_async and not rt.fans_out())
+            or rt.abort_requested())
 
 
 def attempt_record(number: int, r: Rollout, seconds: float) -> dict[str, Any]:

@@ -28,10 +28,12 @@ from engine.loop import environment as episodes
 from engine.loop.harness import Harness
 from engine.loop.runtime import Runtime, full_collections
 from engine.machine import actions, checkpoint
-from engine.machine.rollout import Inputs, Rollout, Saved, TurnScratch
+from engine.machine.rollout import Compaction, Inputs, Rollout, Saved, SegmentBreak, TurnScratch
 from engine.machine.states import STATES, TERMINALS, TOOL_STEP, State, Trigger
 from engine.machine.table import MachineDefinitionError, RolloutMachine, get_machine, tool_of
 from engine.machine.trajectory import InvariantViolation
+from engine.profiles.chat import prompt_messages, result_contents
+from engine.profiles.history import History, extends
 from engine.sglang.wire import Failure, Reply, require_routed_experts, require_top_p, top_p_asked
 
 StateStep = Callable[[Runtime, Rollout], Awaitable[str]]
@@ -86,6 +88,9 @@ async def step_reset(rt: Runtime, r: Rollout) -> str:
         r.record.error = f"environment {env_name(r.inputs.environment)}: the prompt its start made cannot be rendered: {type(exc).__name__}: {exc}"
         r.prompt_ids = await rt.prompt_ids(r.inputs.prompt, r.inputs.allowed_tools, r.inputs.tool_schemas)
         return Trigger.ENV_FAILED
+    if rt.keeps_history and r.inputs.harness is None:  # the conversation as the template renders it
+        r.history = History(tuple(prompt_messages(prompt)),
+                            tuple(rt.tool_schemas(r.inputs.allowed_tools, r.inputs.tool_schemas)))
     saved = r.inputs.saved
     if not (r.cfg.partial_rollout and saved is not None):
         return Trigger.START
@@ -193,7 +198,25 @@ async def step_tool_call(rt: Runtime, r: Rollout) -> str:
         r.conversation.extend(episodes.tool_messages(results))
     last = r.traj.response_ids[-1] if r.traj.response_length else None
     r.turn.observation_ids = rt.profile.observation_ids(parsed, results, last)
+    if r.history is not None:
+        follow(rt, r, results=result_contents(results))
     return Trigger.OBSERVE
+
+
+def follow(rt: Runtime, r: Rollout, *, results: list[str] | None = None, user: str | None = None) -> None:
+    """Keep the conversation (the turn and what answered it). Where the template renders the
+    next prompt otherwise than the sequence glued so far (it drops earlier reasoning), that render
+    is the next prompt: its tail glued on where it extends the sequence, else a new segment."""
+    history = r.history
+    history.add(rt.profile, r.turn.text, results=results, user=user)
+    rendered = history.follow(rt.profile, rt.reasoning_rule)
+    if rendered is None:
+        return
+    sequence = r.traj.input_ids()
+    if extends(rendered, sequence):
+        r.turn.observation_ids = rendered[len(sequence):]
+    else:
+        r.turn.rerender = SegmentBreak("reasoning_dropped", tuple(rendered))
 
 
 @step("tool_calls")
@@ -272,7 +295,67 @@ async def step_environment(rt: Runtime, r: Rollout) -> str:
         messages.append({"role": "user", "content": reply.text})
         last = r.traj.response_ids[-1] if r.traj.response_length else None
         r.turn.observation_ids = rt.profile.user_turn_ids(reply.text, last)
+        if r.history is not None:
+            follow(rt, r, user=reply.text)
     return Trigger.ENV_REPLY
+
+
+@step("compact")
+async def step_compact(rt: Runtime, r: Rollout) -> str:
+    """COMPACT: plan the next segment; with summarize, first ask the policy for the summary in
+    the segment's own context (the generation prompt the sequence ends with gives way to the
+    question, engine_compaction_prompt). The next segment's prompt is the original prompt, the
+    summary and the latest exchanges that fit under the threshold, as the template renders them."""
+    history, cfg, at = r.history, r.cfg, r.inputs.compact_at
+    assert history is not None and at is not None
+    r.turn = TurnScratch()
+    keep = min(cfg.compaction_keep_turns, len(history.exchanges))
+    if cfg.compaction == "drop_oldest":
+        prompt, compacted, dropped = compacted_prompt(rt, history, None, min(keep, len(history.exchanges) - 1), at)
+        r.turn.compaction = Compaction("drop_oldest", prompt, compacted, dropped)
+        return Trigger.COMPACTED
+    cut, asked = rt.profile.ask_after_results(cfg.compaction_prompt)
+    sequence = r.traj.input_ids()
+    if cut and sequence[len(sequence) - len(cut):] != cut:
+        raise ValueError("compaction: the segment does not end with the template's generation prompt")
+    ids = sequence[: len(sequence) - len(cut)] + asked
+    room = None if r.token_budget is None else r.token_budget - len(ids)
+    if room is not None and room < 1:
+        r.turn.compaction = Compaction("summarize", cut=len(cut), asked=tuple(asked), room=False)
+        return Trigger.COMPACTED
+    cap = cfg.compaction_summary_tokens if room is None else min(cfg.compaction_summary_tokens, room)
+    experts_start = r.traj.routed_rows if r.traj.experts is not None else None
+    started = time.perf_counter()
+    outcome = await rt.client.generate(ids, r.sampling_params(), cap, routing_key=r.inputs.routing_key,
+                                       routed_experts_start=experts_start)
+    r.record.generation_time += time.perf_counter() - started
+    if isinstance(outcome, Failure):
+        r.record.error = f"{outcome.kind}: {outcome.message}"
+        return FAILURE_TRIGGERS[outcome.kind]
+    outcome = check_reply(r, outcome, len(ids), experts_start)
+    r.record.call_stats.append(outcome.stats)
+    r.turn.reply = outcome
+    summary = ""
+    if outcome.problem is None:
+        summary = rt.profile.read_turn(rt.profile.decode(outcome.ids)).content.strip()
+    else:
+        r.record.error = f"{outcome.problem}: {outcome.problem_detail}"
+    prompt, compacted, dropped = compacted_prompt(rt, history, summary, keep, at) if summary else ((), None, 0)
+    r.turn.compaction = Compaction("summarize", prompt, compacted, dropped, len(cut), tuple(asked), summary)
+    return Trigger.COMPACTED
+
+
+def compacted_prompt(rt: Runtime, history: History, summary: str | None, keep: int,
+                     at: int) -> tuple[tuple[int, ...], History | None, int]:
+    """The compacted segment's prompt, its conversation and how many exchanges it leaves out: the
+    latest `keep` exchanges, fewer while the render reaches the threshold `at`; ((), None, all)
+    when even none fit."""
+    for kept in range(max(0, keep), -1, -1):
+        compacted = history.compacted(summary, kept)
+        ids = compacted.render(rt.profile)
+        if len(ids) < at:
+            return tuple(ids), compacted, len(history.exchanges) - kept
+    return (), None, len(history.exchanges)
 
 
 @step("harness")
@@ -502,6 +585,7 @@ def new_rollout(
         environment=rt.environment if environment is DEFAULT_ENVIRONMENT else environment,
         metadata=metadata,
         environment_args=environment_args,
+        compact_at=rt.compact_at,
     )
     return Rollout(inputs)
 

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import gc
 import importlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -15,18 +16,25 @@ import attrs
 
 from engine import tools
 from engine.aio import Gate
+from engine.logs import warn_once
 from engine.loop.abort import AbortSignal
 from engine.loop.environment import Environments
 from engine.loop.tool_calls import ToolRunner
 from engine.profiles import Profile, make_profile
 from engine.profiles.tokenizer import load_tokenizer
-from engine.settings import EngineConfig
+from engine.settings import EngineConfig, SettingsError
 from engine.sglang.client import ServiceClient, SGLangClient, make_http_client
 from engine.tools import mcp_servers
 
 START_GATE = 32  # samples beginning their set-up per event-loop turn when many start at once
 PROMPT_CACHE = 4096
 ABORT_POLL_SECONDS = 0.2  # how soon running tool calls see the caller's abort flag
+log = logging.getLogger(__name__)
+
+
+def compaction_needs_chat(profile: str) -> str:
+    """Why compaction cannot run with a profile that renders no chat messages."""
+    return f"renders the compacted prompt with a chat template; the {profile} profile has none (use engine_profile: chat)"
 
 
 @attrs.define(eq=False)
@@ -43,6 +51,9 @@ class Runtime:
     # The environments set up for this runtime, by name: the default (`engine_environment`) at once,
     # those samples name (`metadata["environment"]`) when one first does.
     environments: Environments = attrs.field(init=False)
+    # Long rollouts (docs/long-rollouts.md), read once from the settings and the profile's template.
+    compact_at: int | None = attrs.field(default=None, init=False)  # engine_compaction's threshold (None: off)
+    reasoning_rule: str = attrs.field(default="kept", init=False)  # which earlier reasoning the prompt keeps
     # Samples starting in one burst take turns (`in_flight`), so the event loop gets a say
     # between every few dozen of them instead of after thousands.
     start_gate: Gate = attrs.field(factory=lambda: Gate(START_GATE))
@@ -58,6 +69,30 @@ class Runtime:
         self.environments = Environments(self.cfg, self.profile, ServiceClient(self.client.http, self.cfg.retry))
         for name in tools.names():  # a tool's settings are checked now, not at its first call
             self.tool(name)
+        self.compact_at = self.cfg.threshold()
+        renders = callable(getattr(self.profile, "render_messages", None))
+        if self.compact_at is not None and not renders:
+            raise SettingsError(f"engine_compaction: {self.cfg.compaction} {compaction_needs_chat(self.cfg.profile)}")
+        if self.cfg.earlier_reasoning == "as_template" and renders:
+            self.reasoning_rule = self.profile.earlier_reasoning()  # type: ignore[attr-defined]
+            if self.cfg.partial_rollout and self.reasoning_rule != "kept":  # its samples cannot fan out
+                warn_once(f"partial_rollout: each sample stays one sequence, keeping the earlier reasoning the chat "
+                          f"template drops ({self.reasoning_rule}), as engine_earlier_reasoning: keep", log)
+                self.reasoning_rule = "kept"
+
+    @property
+    def keeps_history(self) -> bool:
+        """Whether samples keep their conversation as messages: to compact it, or to render the next
+        prompt as the template does where it drops earlier reasoning."""
+        return self.compact_at is not None or self.reasoning_rule != "kept"
+
+    def fans_out(self) -> bool:
+        """Whether a sample may come back as several (slime's fan-out): an agent's session, a
+        compaction, a template that drops earlier reasoning (after any turn, or after a user turn,
+        which an environment a sample names may write), or one sample per turn. Then every sample
+        comes back as a list, one of one included: slime flattens a step by its first element's
+        shape, and a step mixing a `Sample` with lists fails there."""
+        return self.keeps_history or self.cfg.samples == "per_turn" or self.cfg.agent is not None
 
     @property
     def environment(self) -> Any:

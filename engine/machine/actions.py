@@ -6,7 +6,8 @@ Per-token arrays are changed only through `Trajectory` methods.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from engine.machine.rollout import ClosedSegment, Marks, Rollout, TurnScratch
 from engine.machine.trajectory import InvariantViolation, Trajectory
@@ -40,6 +41,7 @@ def restore_checkpoint(r: Rollout) -> None:
     r.record.weight_versions = [str(t["weight_version"]) for t in r.record.turn_log if t.get("weight_version") is not None]
     r.partial_turn_tokens = restored.partial_turn_tokens
     r.attempt = restored.attempt + 1
+    r.history = None  # a checkpoint holds the sequence, not the conversation: it goes on as one sequence
 
 
 def clamp_max_new_tokens(r: Rollout) -> None:
@@ -193,6 +195,13 @@ def append_observation(r: Rollout) -> None:
     r.traj.append_observation(r.turn.observation_ids)
     if r.record.turn_log:
         r.record.turn_log[-1]["observation_tokens"] = len(r.turn.observation_ids)
+    record_tool_results(r)
+
+
+def record_tool_results(r: Rollout) -> None:
+    """The turn's answers in its log (tools, errors, rewards), whether they are glued onto the
+    sequence or rendered into the next segment's prompt."""
+    if r.record.turn_log:
         # Tuples: a turn's dict then holds no container the collector must keep walking.
         r.record.turn_log[-1]["tools"] = _shared(tuple(res.call.name for res in r.turn.results))
         r.record.turn_log[-1]["errors"] = _shared(tuple(res.error for res in r.turn.results))
@@ -211,25 +220,79 @@ def append_harness_delta(r: Rollout) -> None:
 
 
 def break_segment(r: Rollout) -> None:
-    """Close the segment (checked whole: I1-I4, I2) and open the next from the history as the
-    harness gave it: its own prompt, its own budget, its own arrays. The break's reason ends
-    the closed one; the rollout's own reason is its last segment's."""
+    """The history no longer extends the sequence (the harness's, or the template's own render of
+    the next prompt): close the segment and open the next from the history as given. Its call's
+    cap applies next."""
     harness = r.turn.harness
-    assert harness is not None and harness.reason is not None
+    if harness is not None:
+        assert harness.reason is not None
+        close_segment(r, harness.reason, harness.prompt_ids)
+        r.take_call(harness)
+        return
+    rendered = r.turn.rerender
+    assert rendered is not None
+    close_segment(r, rendered.reason, rendered.prompt_ids)
+
+
+def close_segment(r: Rollout, reason: str, prompt_ids: Sequence[int]) -> None:
+    """Close the open segment (checked whole: I1-I4, I2) and open the next from `prompt_ids`: its
+    own prompt, its own budget, its own arrays. `reason` ends the closed one; the rollout's own
+    reason is its last segment's."""
     closing = r.traj
     try:
         closing.check(max_total_length=r.budget_at_end(), full=True)
     except InvariantViolation as exc:
         r.record.violation = f"segment {len(r.closed)}: {exc}"
     end = Marks.of(r.record, edges_ahead=1)  # the break's own edge ends the closed segment's path
-    r.closed.append(ClosedSegment(closing, harness.reason, r.segment_start, end))
+    r.closed.append(ClosedSegment(closing, reason, r.segment_start, end))
     r.segment_start = end
-    r.prompt_ids = harness.prompt_ids
+    r.prompt_ids = tuple(prompt_ids)
     r.traj = Trajectory(expert_row_bytes=r.cfg.expert_row_bytes)
-    r.traj.reset(harness.prompt_ids)
-    r.token_budget = r.cfg.context_limit(len(harness.prompt_ids))
+    r.traj.reset(r.prompt_ids)
+    r.token_budget = r.cfg.context_limit(len(r.prompt_ids))
     r.partial_turn_tokens = 0
-    r.take_call(harness)
+
+
+def append_summary(r: Rollout) -> None:
+    """The summary's request and reply join the segment it summarizes: the generation prompt the
+    segment ended with gives way to the question (mask 0), then the policy's summary follows, as
+    the server sent it: trained (mask 1), or mask 0 with engine_compaction_train_summary off."""
+    c = r.turn.compaction
+    assert c is not None
+    reply = r.turn.reply
+    entry: dict[str, Any] = {"turn": r.turn_count, "compaction": c.mode, "tokens": 0, "dropped": c.dropped}
+    if reply is not None and c.asked:
+        r.traj.trim(r.traj.response_length - c.cut)
+        r.traj.append_observation(c.asked)
+        if r.cfg.compaction_train_summary and reply.ids:
+            start = reply.routed_experts_start_len
+            r.traj.append_model_turn(reply.ids, reply.logprobs, reply.top_p, reply.weight_version,
+                                     reply.routed_experts, r.traj.routed_rows if start is None else start)
+            entry["tokens"] = len(reply.ids)
+        else:
+            r.traj.append_observation(reply.ids)
+        entry.update(summary_tokens=len(reply.ids), finish=reply.finish, weight_version=reply.weight_version,
+                     cached_tokens=reply.stats.get("cached_tokens"))
+        if reply.weight_version is not None:
+            r.record.weight_versions.append(str(reply.weight_version))
+        r.turn.reply = reply.without_tokens()
+    r.record.turn_log.append(entry)
+
+
+def log_compaction(r: Rollout) -> None:
+    """drop_oldest, or a compaction that ends the sample before asking: its entry in the turn log."""
+    c = r.turn.compaction
+    assert c is not None
+    r.record.turn_log.append({"turn": r.turn_count, "compaction": c.mode, "tokens": 0, "dropped": c.dropped})
+
+
+def compact_segment(r: Rollout) -> None:
+    """Close the segment compacted (its reason the mode's edge: summarized, oldest_dropped) and
+    open the next from the prompt COMPACT rendered; its conversation is the compacted one."""
+    c = r.turn.compaction
+    assert c is not None and c.prompt_ids
+    close_segment(r, "summarized" if c.mode == "summarize" else "oldest_dropped", c.prompt_ids)
+    r.history = c.history
 
 
 def trim_to_budget(r: Rollout) -> None:

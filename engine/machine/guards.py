@@ -40,6 +40,14 @@ def prompt_over_budget(r: Rollout) -> bool:
     return r.token_budget is not None and r.traj.prompt_length > r.token_budget
 
 
+def compaction_due(r: Rollout) -> bool:
+    """The open segment reached the compaction threshold (engine_compaction) with a model turn
+    in it: compact it before it overflows."""
+    at = r.inputs.compact_at
+    return (at is not None and r.history is not None and bool(r.history.exchanges)
+            and r.traj.total_length >= at)
+
+
 def context_full(r: Rollout) -> bool:
     """No token of room is left: the prompt (and response) fill the budget exactly or more."""
     return r.token_budget is not None and r.traj.total_length >= r.token_budget
@@ -143,11 +151,16 @@ def history_extends(r: Rollout) -> bool:
 
 def _broke(r: Rollout, reason: str) -> bool:
     h = r.turn.harness
-    return h is not None and h.kind == "break" and h.reason == reason
+    if h is not None:
+        return h.kind == "break" and h.reason == reason
+    rendered = r.turn.rerender
+    return rendered is not None and rendered.reason == reason
 
 
 def reasoning_dropped(r: Rollout) -> bool:
-    """A sampled turn came back without (or with other) reasoning, its text and calls the same."""
+    """A sampled turn comes back without (or with other) reasoning, its text and calls the same:
+    the harness's history, or the chat template's own render of the next prompt (which drops an
+    earlier turn's reasoning where it is served so: engine_earlier_reasoning: as_template)."""
     return _broke(r, "reasoning_dropped")
 
 
@@ -189,6 +202,48 @@ def harness_timed_out(r: Rollout) -> bool:
 def harness_crashed(r: Rollout) -> bool:
     """The harness failed (a non-zero exit, an exception): what was sampled is kept."""
     return _ended(r, "harness_crashed")
+
+
+# -- COMPACT ----------------------------------------------------------------------------
+def _summary(r: Rollout) -> bool:
+    c = r.turn.compaction
+    return c is not None and c.mode == "summarize"
+
+
+def summary_unusable(r: Rollout) -> bool:
+    """The summary's reply cannot be trained on (its own problem is recorded as the reason)."""
+    return _summary(r) and r.turn.reply is not None and r.turn.reply.problem is not None
+
+
+def summary_overflows(r: Rollout) -> bool:
+    """The summary does not fit: no room is left to ask for it, it hit its cap unfinished, or the
+    prompt with it reaches the threshold. The segments before stay whole."""
+    c, reply = r.turn.compaction, r.turn.reply
+    return (_summary(r) and c is not None
+            and (not c.room or (reply is not None and reply.finish == "length") or (bool(c.summary) and not c.prompt_ids)))
+
+
+def summary_refused(r: Rollout) -> bool:
+    """The policy wrote no summary (nothing, or only reasoning)."""
+    c = r.turn.compaction
+    return _summary(r) and c is not None and not c.summary
+
+
+def summarized(r: Rollout) -> bool:
+    """The policy summarized the segment: the next starts from the prompt, the summary and the latest turns."""
+    return _summary(r)
+
+
+def compaction_overflows(r: Rollout) -> bool:
+    """drop_oldest: even the prompt alone reaches the threshold, whatever is left out."""
+    c = r.turn.compaction
+    return c is not None and c.mode == "drop_oldest" and not c.prompt_ids
+
+
+def oldest_dropped(r: Rollout) -> bool:
+    """drop_oldest: the next segment starts from the prompt and the latest turns that fit."""
+    c = r.turn.compaction
+    return c is not None and c.mode == "drop_oldest"
 
 
 # -- TOOL_CALL ------------------------------------------------------------------------

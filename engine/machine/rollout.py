@@ -10,10 +10,11 @@
   the counters the guards read, and the partial-rollout bookkeeping. It never does I/O; the
   driver fills its turn scratch between triggers.
 
-An agent's session (`engine_agent`) may break its history: the rollout then holds the
-segments a break closed (`ClosedSegment`: the prompt, the aligned arrays, why it ended and
-where its turns and path lie in the record) beside the trajectory of the open one. Each
-segment becomes one sample.
+An agent's session (`engine_agent`) may break its history, and the engine's own loop breaks it
+where the chat template renders the next prompt otherwise (earlier reasoning dropped) or the
+context is compacted (`engine_compaction`): the rollout then holds the segments a break closed
+(`ClosedSegment`: the prompt, the aligned arrays, why it ended and where its turns and path lie
+in the record) beside the trajectory of the open one. Each segment becomes one sample.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from engine.settings import EngineConfig
 from engine.sglang.wire import Reply
 
 ResumeAt = Literal["generate", "tools"]
-BreakReason = Literal["reasoning_dropped", "turn_rewritten", "history_compacted", "history_forked", "history_contradicts"]
+BreakReason = Literal["reasoning_dropped", "turn_rewritten", "history_compacted", "history_forked", "history_contradicts",
+                      "summarized", "oldest_dropped"]
 EndReason = Literal["harness_finished", "harness_crashed", "harness_timed_out"]
 
 
@@ -69,6 +71,7 @@ class Inputs:
     harness: Any = None  # an agent's session (`engine.loop.harness.Harness`): the harness answers the model
     rendered: tuple[int, ...] | None = None  # the prompt's ids, rendered by the caller (an agent's first call)
     environment_args: Any = None  # the environment's arguments for this sample (`metadata["environment"]["args"]`)
+    compact_at: int | None = None  # engine_compaction: the open segment's length that starts COMPACT (None: off)
 
 
 @attrs.frozen
@@ -90,6 +93,38 @@ class HarnessEvent:
     stop: tuple[str, ...] = ()
 
 
+@attrs.frozen
+class SegmentBreak:
+    """The next prompt as the chat template renders the conversation, where that does not extend
+    the sequence sampled so far (the template dropped earlier reasoning): the next segment's
+    prompt, and the guard of the break's edge."""
+
+    reason: str
+    prompt_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class Compaction:
+    """What COMPACT's step made of the open segment (engine_compaction), for its edges to act on.
+
+    `summarize`: `asked` are the ids that ask for the summary (a user message and the generation
+    prompt), appended after the last `cut` tokens (the generation prompt the sequence ended with)
+    are cut; the reply is the turn scratch's, `summary` its text outside reasoning ("" when there
+    is none: refused). `prompt_ids` is the next segment's prompt (empty when even the prompt and
+    the summary, or the prompt alone, reach the threshold), `history` its conversation, and
+    `dropped` how many model turns it leaves out. `room`: the summary could be asked for at all.
+    """
+
+    mode: Literal["summarize", "drop_oldest"]
+    prompt_ids: tuple[int, ...] = ()
+    history: Any = None
+    dropped: int = 0
+    cut: int = 0
+    asked: tuple[int, ...] = ()
+    summary: str | None = None
+    room: bool = True
+
+
 @attrs.define(eq=False, slots=True)
 class TurnScratch:
     """One turn's I/O results, read by the guards; replaced whole at the start of every turn."""
@@ -105,6 +140,8 @@ class TurnScratch:
     harness: HarnessEvent | None = None  # an agent's next call (or its end), after this turn was answered
     env_seconds: float = 0.0  # how long the environment took to answer it
     env_blocked: float = 0.0  # how long it held the event loop at once while answering, when that stalled others
+    rerender: SegmentBreak | None = None  # the template's own next prompt, where it does not extend the sequence
+    compaction: Compaction | None = None  # COMPACT's plan for the open segment
 
 
 @attrs.define(eq=False, slots=True)
@@ -230,6 +267,9 @@ class Rollout:
     segment_start: Marks = attrs.field(factory=Marks)
     call_max_new_tokens: int | None = None
     call_stop: tuple[str, ...] = ()
+    # The conversation as the template's messages (`engine.profiles.history.History`), kept where
+    # the template may render it otherwise than the sequence (earlier reasoning) or compaction is on.
+    history: Any = None
 
     def take_call(self, event: HarnessEvent) -> None:
         """The harness's call asks its own cap and stop strings for the turn that answers it."""

@@ -7,7 +7,8 @@ so a cancellation can arrive). The state list, the awaiting set, the driver's di
 the legend are all built from it; a state without exactly one behaviour is refused here, a
 step the loop does not define when the driven machine is built. ENVIRONMENT is taken only
 by a sample with an environment (its metadata's, else `engine_environment`), HARNESS only by an
-agent's session (`engine_agent`: the harness, not the engine, answers the model). Tool states (`TOOL_<NAME>`) are added
+agent's session (`engine_agent`: the harness, not the engine, answers the model), COMPACT only with
+`engine_compaction`. Tool states (`TOOL_<NAME>`) are added
 per registered tool by `engine.machine.table`; they all run `TOOL_STEP`.
 """
 
@@ -29,6 +30,7 @@ class State(str, Enum):
     TOOL_CALL = "TOOL_CALL"
     ENVIRONMENT = "ENVIRONMENT"
     HARNESS = "HARNESS"
+    COMPACT = "COMPACT"
     TRIM = "TRIM"
     COMPLETED = "COMPLETED"
     TRUNCATED = "TRUNCATED"
@@ -58,6 +60,7 @@ class Trigger(str, Enum):
     ENV_FAILED = "environment_failed"
     HARNESS_CALL = "harness_call"
     HARNESS_END = "harness_end"
+    COMPACTED = "compacted"
     TRIM = "trim"
     CRASHED = "crashed"
     CANCELLED = "cancelled"
@@ -137,6 +140,7 @@ STATES: tuple[StateDef, ...] = (
     StateDef(S.TOOL_CALL,    "core",     "plans the turn's calls (surplus or unparsable ones get an error answer), hands them to the tool states, appends the observation (mask 0)", Step("tool_call")),
     StateDef(S.ENVIRONMENT,  "core",     "the sample's environment (its metadata's, else engine_environment) answers a model turn that is not a tool call: a user turn appended (mask 0) and the turn's reward, or the end of the episode", Step("environment", awaits=True)),
     StateDef(S.HARNESS,      "core",     "agent mode (engine_agent): answers the harness's waiting model call with the turn, then awaits its next call, whose history extends what was sampled (the added messages appended, mask 0) or breaks the segment (a new one from the history as given), or the session's end", Step("harness", awaits=True)),
+    StateDef(S.COMPACT,      "core",     "engine_compaction, before the open segment overflows: summarize asks the policy for a summary in the segment's own context, drop_oldest leaves the oldest exchanges out; a new segment starts from the prompt, the summary and the latest turns as the template renders them", Step("compact", awaits=True)),
     StateDef(S.TRIM,         "core",     "cuts every per-token array to the budget together after a reply or an observation overflowed it", T.TRIM),
     StateDef(S.COMPLETED,    "terminal", "the model gave its final answer"),
     StateDef(S.TRUNCATED,    "terminal", "a budget ran out (context, turns, tool calls) or the turn hit its max_new_tokens"),
@@ -147,3 +151,5 @@ STATES: tuple[StateDef, ...] = (
 TOOL_STEP = Step("tool_calls", awaits=True)  # every tool state's step: run the turn's waiting calls to its tool
 TERMINALS = frozenset(d.name for d in STATES if d.kind == "terminal")
 BY_NAME: dict[str, StateDef] = {d.name: d for d in STATES}
+# The edges that add an entry to the record's turn log: a reply (a model turn), a compaction.
+LOGS_A_TURN = frozenset({(State.GENERATE.value, Trigger.REPLY.value), (State.COMPACT.value, Trigger.COMPACTED.value)})

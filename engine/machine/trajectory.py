@@ -276,6 +276,25 @@ class Trajectory:
             t.top_p_ids, t.top_p_offsets = top_p
         return t
 
+    def turn(self, start: int, end: int) -> Trajectory:
+        """The response tokens `[start, end)` (one model turn) as a trajectory of their own: all
+        before them its prompt, its arrays theirs (top-p replay and routed experts cut with them).
+        A sample per turn (engine_samples: per_turn) is made of one."""
+        if not 0 <= start < end <= self.response_length:
+            raise ValueError(f"no turn [{start}, {end}) in a response of {self.response_length} tokens")
+        prompt = self.prompt_ids.tolist() + self.response_ids[:start].tolist()
+        kept = [attrs.evolve(s, start=s.start - start, end=s.end - start)
+                for s in self.segments if s.start >= start and s.end <= end]
+        top_p = None
+        if self.top_p_offsets is not None and self.top_p_ids is not None:
+            base = self.top_p_offsets[start]
+            top_p = (self.top_p_ids[base:self.top_p_offsets[end]], array("i", (o - base for o in self.top_p_offsets[start:end + 1])))
+        experts = None
+        if self.experts is not None and self.expert_row_bytes:
+            experts = bytes(self.experts[: (len(prompt) + end - start - 1) * self.expert_row_bytes])
+        return Trajectory.restore(prompt, self.response_ids[start:end], self.logprobs[start:end],
+                                  LossMask.of(self.loss_mask.tolist()[start:end]), kept, top_p, experts, self.expert_row_bytes)
+
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start over from a prompt: every per-token array is emptied together."""
         self.prompt_ids = array("i", prompt_ids)

@@ -32,7 +32,7 @@ import json
 import logging
 import re
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from engine import tools
 from engine.profiles import parsers
@@ -43,6 +43,7 @@ from engine.profiles.tokenizer import Codec
 log = logging.getLogger(__name__)
 _SENTINEL = "@@assistant-turn-sentinel@@"
 _USER_SLOT = "@@user-turn-slot@@"
+_RESULT_SLOT = "@@tool-result-slot@@"
 _WARNED: set[tuple[str, str]] = set()
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -82,6 +83,8 @@ class ChatProfile:
         self.thinking_forced = parsers.opens_reasoning(prompt, self.reasoning)
         self.codec = Codec(tokenizer)
         self._glue: tuple[dict[str, Any], str, Form] | None = None  # the turn tool_delta renders, its text from the sentinel on
+        self._reasoning_rule: EarlierReasoning | None = None  # learnt on first use (`earlier_reasoning`)
+        self._asking: dict[str, tuple[list[int], list[int]]] = {}  # `ask_after_results`, per question
         self.shows_calls = False  # whether the template shows a result's call (name, id): then the glue is per turn
         self.eos = tokenizer.eos_token
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos)
@@ -97,30 +100,39 @@ class ChatProfile:
             log.warning("chat template check (parser %s): %s", self.tool_parser, self.drift)
 
     def render_prompt(self, prompt: Any, tools: list[dict[str, Any]]) -> list[int]:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(prompt_messages(prompt), tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
         return self.encode(text)
 
     def read_turn(self, text: str, *, forced: bool | None = None, schemas: dict[str, Any] | None = None) -> TurnReading:
         """One model turn as SGLang serves it: (reasoning, content, calls).
 
         The reasoning parser splits off the reasoning, the tool-call parser reads the calls and the
-        content from the rest; a call that could not be read is a `ToolCall` with `error` set.
-        `forced`: whether the prompt opened the reasoning (default: as this template's generation
-        prompt does); `schemas`: tool name -> `parameters`, what arguments are typed by (default:
-        the registered tools'). For a front door answering in OpenAI's or Anthropic's shape.
+        content from the rest; a call that could not be read is a `ToolCall` with `error` set. The
+        content ends without the special tokens that end the turn (its closing token, an EOS), as a
+        server's chat API leaves them out. `forced`: whether the prompt opened the reasoning
+        (default: as this template's generation prompt does); `schemas`: tool name -> `parameters`,
+        what arguments are typed by (default: the registered tools'). The one reader of a turn for
+        what renders it again: a front door's answer, the conversation of a long rollout.
         """
-        return parsers.read_turn(text, self.parser, self.reasoning, registered_schemas() if schemas is None else schemas,
-                                 forced=self.thinking_forced if forced is None else forced)
+        reading = parsers.read_turn(text, self.parser, self.reasoning, registered_schemas() if schemas is None else schemas,
+                                    forced=self.thinking_forced if forced is None else forced)
+        return reading._replace(content=self.strip_turn_end(reading.content))
 
-    def _split(self, text: str, forced: bool | None = None) -> tuple[str, str]:
+    def split_reasoning(self, text: str, forced: bool | None = None) -> tuple[str, str]:
+        """(the reasoning, the rest) of a model turn, by this profile's reasoning parser (none: no reasoning)."""
         if self.reasoning is None:
             return "", text
         return self.reasoning.split(text, self.thinking_forced if forced is None else forced)
 
+    def strip_turn_end(self, text: str) -> str:
+        """`text` without the special tokens that end it (the turn's closing token, an EOS)."""
+        tail = self.codec.special_tail
+        return text if tail is None else tail.sub("", text)
+
     def parse_turn(self, text: str) -> Turn:
         """The turn's calls in the configured format; none: the answer (marked if another format's call is there)."""
-        _, acting = self._split(text)
+        _, acting = self.split_reasoning(text)
         schemas = registered_schemas()
         parsed = self.parser.parse(acting, schemas)
         foreign = None
@@ -135,7 +147,7 @@ class ChatProfile:
 
     def observation_ids(self, turn: Turn, results: list[CallResult], last_token: int | None = None) -> list[int]:
         """The template's tokens between this turn and the next assistant turn."""
-        contents = [r.text for r in results] or ["Error: the turn had no usable tool call"]
+        contents = result_contents(results)
         # The template's glue keeps its special tokens; what the tools printed is plain text
         # (a printed <|im_end|> must not close the turn): each special-token string inside a
         # tool's text is stood in for by a placeholder the template leaves alone.
@@ -247,6 +259,71 @@ class ChatProfile:
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow it")
         return full[at + len(tail):]
 
+    # -- the conversation rendered again (engine.profiles.history) -------------------------------
+    def earlier_reasoning(self) -> EarlierReasoning:
+        """What the template keeps of an earlier turn's reasoning when it renders the conversation
+        again: "kept", "until_user" (until a user message follows the turn: Qwen3, Qwen3.5, GLM-4.7)
+        or "dropped" (none but the turn it prompts for). Learnt from the template once, as the glue
+        is: a probe turn's reasoning is looked for in its renders followed by a tool result, and by
+        a user message."""
+        if self._reasoning_rule is None:
+            self._reasoning_rule = _reasoning_rule(self)
+        return self._reasoning_rule
+
+    def assistant_message(self, text: str) -> dict[str, Any]:
+        """A model turn (its text as sampled) as this template's assistant message: what a server's
+        chat API hands back for it (`read_turn`; a call that could not be read is left out), and
+        renders again on the next call."""
+        reading = self.read_turn(text)
+        reasoning, content = reading.reasoning.strip(), reading.content.strip()
+        calls = [c for c in reading.calls if not c.error]
+        if not calls:
+            return assistant_turn((False, False, False), reasoning, content, [])
+        form = self.call_form()
+        made = [(c.name, c.id or f"call{i:05d}", c.arguments) for i, c in enumerate(calls)]
+        message = assistant_turn(form, reasoning, content, made)
+        if form[1] and content:  # a template that wants no content beside calls still shows the model's
+            message["content"] = content
+        return message
+
+    def render_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        plain_from: int = 0) -> list[int]:
+        """Ids of `messages` as the template renders them for the next assistant turn. From message
+        `plain_from` on, what is not the model's (tool results, user turns) is plain text, as the
+        engine appended it: a special token's string printed by a tool stays text."""
+        held = _Held(self.codec.special_pattern)
+        sent = [dict(m, content=held.hold(m["content"]))
+                if i >= plain_from and m.get("role") != "assistant" and isinstance(m.get("content"), str) else m
+                for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(sent, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        return held.encode(self, text)
+
+    def ask_after_results(self, question: str) -> tuple[list[int], list[int]]:
+        """How a user message joins a sequence that ends with tool results: (the template's
+        generation prompt, which such a sequence ends with, to cut; the ids that replace it: the
+        user message with `question` as plain text, then the generation prompt again). Learnt from
+        what the template writes after a tool result, alone and with a user message following;
+        ValueError for a template whose tool result reads otherwise once a user message follows it."""
+        known = self._asking.get(question)
+        if known is not None:
+            return known
+        self.tool_delta(["x"])
+        assert self._glue is not None
+        turn = self._glue[0]
+        convo = [_PROBE_USER, turn, *tool_messages(turn, [_RESULT_SLOT])]
+        render = self.tokenizer.apply_chat_template
+        tails = [text[text.rindex(_RESULT_SLOT) + len(_RESULT_SLOT):] for text in (
+            render(convo, tokenize=False), render(convo, tokenize=False, add_generation_prompt=True),
+            render([*convo, {"role": "user", "content": _USER_SLOT}], tokenize=False, add_generation_prompt=True))]
+        closed, ready, asked = tails
+        if not (ready.startswith(closed) and asked.startswith(closed) and _USER_SLOT in asked):
+            raise ValueError("the chat template renders a tool result differently once a user message follows it")
+        before, after = asked[len(closed):].split(_USER_SLOT, 1)
+        found = self.encode(ready[len(closed):]), self.encode(before) + self.codec.encode_plain(question) + self.encode(after)
+        if len(self._asking) < 8:
+            self._asking[question] = found
+        return found
+
     def user_turn_ids(self, text: str, last_token: int | None = None) -> list[int]:
         """An environment's reply as the next user turn (mask 0): the template's tokens from the end
         of this assistant turn to the start of the next, around one user message. The reply is
@@ -313,6 +390,38 @@ def registered_schemas() -> dict[str, Any]:
 
 
 _SCHEMAS: list[Any] = [None, {}]
+NO_USABLE_CALL = "Error: the turn had no usable tool call"
+EarlierReasoning = Literal["kept", "until_user", "dropped"]
+_REASONING_PROBE = "@@earlier-reasoning-probe@@"
+
+
+def prompt_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A sample's prompt as chat messages: its own list, or its text as one user message."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+
+
+def result_contents(results: list[CallResult]) -> list[str]:
+    """What the tool messages after a turn hold: each answer's text (a note when the turn had no usable call)."""
+    return [r.text for r in results] or [NO_USABLE_CALL]
+
+
+def _reasoning_rule(profile: ChatProfile) -> EarlierReasoning:
+    """Which earlier reasoning the template renders again (see `ChatProfile.earlier_reasoning`).
+    A template that cannot render the probes is taken to keep it: nothing is rendered again."""
+    try:
+        profile.tool_delta(["x"])
+        assert profile._glue is not None
+        turn = assistant_turn(profile._glue[2], _REASONING_PROBE, "Let me check.", _PROBE_CALLS)
+        after_tool = profile.tokenizer.apply_chat_template([_PROBE_USER, turn, *tool_messages(turn, ["42"])],
+                                                           tokenize=False, add_generation_prompt=True)
+        answer = {"role": "assistant", "content": "It is 42.", "reasoning_content": _REASONING_PROBE}
+        after_user = profile.tokenizer.apply_chat_template(
+            [_PROBE_USER, answer, {"role": "user", "content": "And 6 * 8?"}], tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return "kept"
+    if _REASONING_PROBE not in after_tool:
+        return "dropped"
+    return "kept" if _REASONING_PROBE in after_user else "until_user"
 
 
 def incremental_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns: list[tuple[str, list[str]]]) -> list[int]:
@@ -466,7 +575,7 @@ def _drift(profile: ChatProfile) -> str | None:
         except Exception:  # this template wants another form
             continue
         shown = text
-        calls = profile.parser.parse(profile._split(text)[1], schemas).calls
+        calls = profile.parser.parse(profile.split_reasoning(text)[1], schemas).calls
         if [(c.name, c.arguments, c.error) for c in calls] == [("code_interpreter", {"code": "print(6 * 7)"}, None)]:
             break
     else:

@@ -94,11 +94,18 @@ class Codec:
         specials = sorted({t.content for t in decoder.values() if getattr(t, "special", False) and t.content}, key=len,
                           reverse=True)
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # Special tokens closing a text, with the space around them: how a turn's end reads.
+        self._tail = re.compile(f"(?:\\s*(?:{self._specials.pattern}))+\\s*$") if self._specials else None
 
     @property
     def special_pattern(self) -> re.Pattern[str] | None:
         """A regex matching any special token's string (None when the tokenizer has none)."""
         return self._specials
+
+    @property
+    def special_tail(self) -> re.Pattern[str] | None:
+        """A regex matching the special tokens (and the space around them) that end a text; None without any."""
+        return self._tail
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` as ordinary text: a special token's string in it (a program that

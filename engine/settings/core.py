@@ -49,6 +49,11 @@ DAY = 86400.0
 # pool only costs memory and start-up time (a slime job's samples wait in slime's own semaphore).
 MAX_CONNECTIONS = 16384
 SERVER, TOOLS, BUDGETS, AGENT = "server and settings", "tools", "budgets and sampling", "agents"  # `run --help`'s sections
+LONG = "long rollouts"
+# The user message that asks the policy for a summary (engine_compaction: summarize).
+COMPACTION_PROMPT = ("Your context is nearly full. Summarize the conversation so far for yourself: the task, what "
+                     "you have tried, what you found, and what is left to do. Write only the summary; you will go on "
+                     "from it and the latest turns.")
 _LIMITS, _RAY = attrs.fields(SandboxLimits), attrs.fields(RaySettings)
 
 
@@ -194,6 +199,37 @@ class EngineConfig:
                                       "left out) or role_content (role and text)")
     agent_models: tuple[str, ...] = setting(("policy",), help="the model names an agent may ask for (/v1/models lists "
                                                               "them); * takes any name")
+    # Long rollouts (docs/long-rollouts.md): compaction, earlier reasoning, what one sample is, its reward.
+    compaction: str = setting("off", choices=("off", "summarize", "drop_oldest"), flag=Flag("--compaction", "MODE", LONG),
+                              help="what happens before a segment's context overflows: off (it ends TRUNCATED "
+                                   "context_full), summarize (the policy writes a summary; a new segment starts from the "
+                                   "prompt, the summary and the latest turns) or drop_oldest (a new segment starts without "
+                                   "the oldest tool exchanges); needs engine_profile: chat")
+    compaction_threshold: int | None = setting(low=1, high=10**9, unset="3/4 of the context",
+                                               flag=Flag("--compaction-threshold", "N", LONG),
+                                               help="tokens (prompt + response of the open segment) at which it is "
+                                                    "compacted; below the context")
+    compaction_keep_turns: int = setting(2, low=0, high=100_000,
+                                         help="the latest model turns (with what answered them) a compacted segment "
+                                              "keeps; fewer where they would not fit under the threshold")
+    compaction_summary_tokens: int = setting(1024, low=1, high=10**7, help="tokens the policy may write for a summary")
+    compaction_train_summary: bool = setting(True, help="train the summary the policy writes (false: it stays in its "
+                                                        "segment with mask 0)")
+    compaction_prompt: str = setting(COMPACTION_PROMPT, help="the user message that asks the policy for a summary")
+    earlier_reasoning: str = setting("as_template", choices=("as_template", "keep"),
+                                     flag=Flag("--earlier-reasoning", "MODE", LONG),
+                                     help="earlier turns' reasoning where the chat template drops it: as_template (each "
+                                          "turn's prompt is the template's own render, as served; a new segment where "
+                                          "that is not a prefix of the last) or keep (one sequence keeping it: a "
+                                          "train-serve difference)")
+    samples: str = setting("trajectory", choices=("trajectory", "per_turn"), flag=Flag("--samples", "MODE", LONG),
+                           help="what one sample is: trajectory (a segment: turns whose prompts extend each other, "
+                                "merged) or per_turn (one sample per model turn, its exact prompt and output)")
+    segment_reward: str = setting("shared", choices=("shared", "discounted"),
+                                  help="a rollout returned as several samples: each gets its reward (shared), or the last "
+                                       "gets it and each earlier one engine_segment_discount times the next's (discounted)")
+    segment_discount: float = setting(0.9, low=0, high=1, help="the discount per sample back from the last "
+                                                               "(engine_segment_reward: discounted)")
     request_timeout: float = setting(1800.0, low=0, high=7 * DAY, above_low=True, help="seconds one /generate request may take")
     connect_timeout: float = setting(10.0, low=0, high=3600, above_low=True, help="seconds to connect to the server")
     # routing replay replies run to 100s of MB
@@ -252,6 +288,36 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         if self.routing_replay and not (self.num_layers and self.moe_router_topk):
             raise SettingsError("routing replay needs num_layers and moe_router_topk (slime args) to be set")
+        if self.compaction != "off" and self.max_context_len is not None:
+            self.threshold()  # refuses a threshold the context cannot hold, with one sentence
+        if self.partial_rollout:
+            # slime's abort() reads each element of a group as a Sample, and a re-queued group comes
+            # back to generate as it was: a rollout handed back as a list of samples cannot resume.
+            fans_out = [f"{key}: {value}" for key, value, off in (
+                ("engine_compaction", self.compaction, "off"), ("engine_samples", self.samples, "trajectory"),
+                ("engine_agent", self.agent, None)) if value != off]
+            if fans_out:
+                raise SettingsError(f"partial_rollout cannot resume a rollout that comes back as several samples "
+                                    f"({', '.join(fans_out)}): turn one of them off")
+
+    def threshold(self) -> int | None:
+        """Tokens of the open segment at which it is compacted (None: compaction is off).
+
+        Refused (SettingsError) when it is at or above the context, or when neither it nor a
+        context is known: a segment would overflow before it could be compacted. The runtime asks
+        (`run` knows the server's context only then); settings that hold a context are checked when made.
+        """
+        if self.compaction == "off":
+            return None
+        context, asked = self.max_context_len, self.compaction_threshold
+        if asked is None:
+            if context is None:
+                raise SettingsError(f"engine_compaction: {self.compaction} needs engine_compaction_threshold or a "
+                                    "context (rollout_max_context_len)")
+            return context * 3 // 4
+        if context is not None and asked >= context:
+            raise SettingsError(f"engine_compaction_threshold must be below the context ({context} tokens), got {asked}")
+        return asked
 
     @property
     def expert_row_bytes(self) -> int:
@@ -363,7 +429,9 @@ def flagged_settings() -> list[Setting]:
 __all__ = [
     "AGENT",
     "BUDGETS",
+    "COMPACTION_PROMPT",
     "DEFAULT_SERVER_URL",
+    "LONG",
     "MAX_CONNECTIONS",
     "SERVER",
     "TOOLS",

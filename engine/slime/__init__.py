@@ -20,19 +20,20 @@ import threading
 import weakref
 from typing import Any
 
-from engine.settings import EngineConfig
-from engine.loop.attempts import run_attempts
+from engine.loop.attempts import caller_requeues, run_attempts
 from engine.loop.driver import new_rollout
 from engine.loop.environment import UnknownEnvironment, read_choice
 from engine.loop.preflight import log_tool_problems
 from engine.loop.runtime import Runtime
 from engine.machine.rollout import Rollout
 from engine.profiles.reward import RewardRule, retool_score, turn_rewards_by_turn
+from engine.settings import EngineConfig
 from engine.slime import compat
 from engine.slime.dashboard import log_rollout  # noqa: F401  (slime loads it by this path)
 from engine.slime.sample_io import (
     ADAPTER_CRASHED,
     BAD_INPUT,
+    FSM,
     SETUP_FAILED,
     BadInput,
     clear_sample,
@@ -40,6 +41,7 @@ from engine.slime.sample_io import (
     read_checkpoint,
     read_input,
     write_sample,
+    write_segments,
     write_unrolled,
 )
 
@@ -72,18 +74,19 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
     try:
         inp = read_input(sample, sampling_params)
     except BadInput as exc:
-        return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt))
+        return _fanned(rt, _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt)))
     except Exception as exc:  # a sample object whose attributes raise
-        return _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params, _placeholder(rt))
+        return _fanned(rt, _unrolled(sample, BAD_INPUT, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                                     _placeholder(rt)))
     try:
         choice = read_choice(inp.metadata)
         environment = rt.environments.chosen(choice)
     except UnknownEnvironment as exc:  # the dataset names one that is not registered, or names it badly
-        return _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt))
+        return _fanned(rt, _unrolled(sample, BAD_INPUT, str(exc), rt.cfg, sampling_params, _placeholder(rt)))
     except Exception as exc:  # its setup failed (a setting it needs): every sample naming it says so
         _log_setup_failure(exc)
-        return _unrolled(sample, SETUP_FAILED, f"environment {choice.name}: {type(exc).__name__}: {exc}", rt.cfg,
-                         sampling_params, _placeholder(rt))
+        return _fanned(rt, _unrolled(sample, SETUP_FAILED, f"environment {choice.name}: {type(exc).__name__}: {exc}",
+                                     rt.cfg, sampling_params, _placeholder(rt)))
     current: list[Rollout] = []
     try:
         saved = read_checkpoint(sample) if rt.cfg.partial_rollout else None
@@ -92,8 +95,8 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
         try:  # a prompt the format cannot render is the sample's problem, not an engine crash
             await rt.prompt_ids(inp.prompt, offered, inp.tool_schemas)
         except Exception as exc:
-            return _unrolled(sample, BAD_INPUT, f"prompt: the {rt.cfg.profile} format cannot render it "
-                             f"({type(exc).__name__}: {exc})", rt.cfg, sampling_params, _placeholder(rt))
+            return _fanned(rt, _unrolled(sample, BAD_INPUT, f"prompt: the {rt.cfg.profile} format cannot render it "
+                                         f"({type(exc).__name__}: {exc})", rt.cfg, sampling_params, _placeholder(rt)))
 
         def make(number: int) -> Rollout:
             # Only the first attempt may resume a checkpoint; a re-run starts from RESET.
@@ -109,17 +112,34 @@ async def _run_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
         raise
     except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
         log.exception("engine adapter failed on a sample")
-        return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
-                         _placeholder(rt))
+        return _fanned(rt, _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                                     _placeholder(rt)))
+    samples = [sample]
     try:
-        write_sample(sample, outcome.rollout, attempts=outcome.attempts, exhausted=outcome.exhausted)
+        r = outcome.rollout
+        if rt.fans_out() and not outcome.exhausted:  # its segments (or turns), each a sample
+            samples = write_segments(sample, r, rt.profile.decode, requeued=caller_requeues(rt),
+                                     per_turn=rt.cfg.samples == "per_turn")
+            if outcome.attempts:
+                for each in samples:
+                    each.metadata[FSM]["attempts"] = outcome.attempts
+        else:
+            write_sample(sample, r, attempts=outcome.attempts, exhausted=outcome.exhausted)
         unserved = sorted((inp.tool_names or frozenset()) - offered)
         if unserved:
-            sample.metadata["fsm"]["tools_unavailable"] = unserved
+            for each in samples:
+                each.metadata[FSM]["tools_unavailable"] = unserved
     except Exception as exc:
         log.exception("engine adapter failed writing a sample")
-        _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params, _placeholder(rt))
-    return sample
+        samples = [_unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                             _placeholder(rt))]
+    return samples if rt.fans_out() else sample
+
+
+def _fanned(rt: Runtime, sample: Any) -> Any:
+    """One sample in the shape this runtime hands back: a list of one where samples may fan out,
+    so every sample of a batch has the one shape slime's loop flattens."""
+    return [sample] if rt.fans_out() else sample
 
 
 def _placeholder(rt: Runtime | None, args: Any = None) -> tuple[int, str]:
@@ -167,8 +187,9 @@ def _unrolled(sample: Any, reason: str, error: str, cfg: EngineConfig | None, sa
 async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: bool = False) -> Any:
     """slime's custom generate function: one sample, multi-turn with tools, returns the sample.
 
-    With `engine_agent` set, the agent it names runs instead of the engine's own loop, and the
-    sample comes back as its segments: the sample, or a list of samples sharing `rollout_id`.
+    Where a rollout may come back as several samples (an agent's session, `engine_agent`; a
+    compaction; a template that drops earlier reasoning; `engine_samples: per_turn`), every sample
+    comes back as a list sharing `rollout_id`, one of one included: the one shape slime flattens.
 
     Never raises into slime's `gather` (only CancelledError passes): every failure is a status
     with its reason in `sample.metadata["fsm"]["termination_reason"]`.
@@ -193,8 +214,8 @@ async def generate(args: Any, sample: Any, sampling_params: Any, evaluation: boo
 
 
 async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any) -> Any:
-    """Run the agent `engine_agent` names for one sample: its segments, one sample each (the sample
-    itself, or a list sharing `rollout_id`). Never raises but CancelledError."""
+    """Run the agent `engine_agent` names for one sample: its segments, one sample each, as a list
+    sharing `rollout_id` (one of one included). Never raises but CancelledError."""
     from engine.slime.agent import agent_sample  # the front door loads only when an agent is configured
 
     async with rt.in_flight():
@@ -204,8 +225,8 @@ async def run_agent_sample(rt: Runtime, sample: Any, sampling_params: Any) -> An
             raise
         except Exception as exc:  # an adapter bug: the sample still comes back, FAILED, not trained
             log.exception("engine adapter failed on an agent's sample")
-            return _unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
-                             _placeholder(rt))
+            return [_unrolled(sample, ADAPTER_CRASHED, f"{type(exc).__name__}: {exc}", rt.cfg, sampling_params,
+                              _placeholder(rt))]
 
 
 _setup_errors: set[str] = set()
@@ -220,7 +241,7 @@ def _log_setup_failure(exc: Exception) -> None:
         log.error("engine setup failed: %s", text)
 
 
-async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
+async def reward_func(args: Any, sample: Any, **kwargs: Any) -> Any:
     """The episode's reward: its per-turn rewards and its answer's, combined by the declared rule.
 
     The answer's reward (`answer_score`): retool's check of the boxed answer in the model's own
@@ -234,18 +255,31 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
     without an environment; with one, what it said when it ended the episode (`Reply.success`),
     else a positive score. `answer_span` is the last model turn's span, where the answer's
     reward belongs. Never raises: unusable settings give score 0.0 with the `error`.
+
+    A rollout that came back as several samples (slime's fan-out: segments, or one per turn) is
+    scored as a whole from each of them: its last words, all its turns and their rewards; each
+    sample then gets its `reward_weight` of that (engine_segment_reward), and a turn's own sample
+    where the environment scored turns gets that turn's reward. Given a list (slime calls a custom
+    reward in batch mode for a fanned-out rollout's samples), the list of each one's reward.
     """
+    if isinstance(sample, list):
+        return [await reward_func(args, each, **kwargs) for each in sample]
     fsm = engine_metadata(sample)
     tool_calls = (fsm.get("tool_stats") or {}).get("calls", 0)
-    text = fsm["final_text"] if isinstance(fsm.get("final_text"), str) else _own_text(sample, fsm)
+    text = next((fsm[k] for k in ("rollout_final_text", "final_text") if isinstance(fsm.get(k), str)), None)
+    text = _own_text(sample, fsm) if text is None else text
     result = retool_score(text, getattr(sample, "label", None), int(tool_calls) if isinstance(tool_calls, int) else 0)
-    recorded = fsm.get("turn_rewards") if isinstance(fsm.get("turn_rewards"), list) else []
+    own = fsm.get("turn_rewards") if isinstance(fsm.get("turn_rewards"), list) else []
+    whole = fsm.get("rollout_turn_rewards")
+    recorded = whole if isinstance(whole, list) else own
     rewards = turn_rewards_by_turn(recorded)
     environment = fsm.get("environment") if isinstance(fsm.get("environment"), dict) else None
-    turns = len(fsm["turns"]) if isinstance(fsm.get("turns"), (list, tuple)) else 0
+    turns = fsm.get("rollout_turns")
+    if not isinstance(turns, int) or isinstance(turns, bool):
+        turns = len(fsm["turns"]) if isinstance(fsm.get("turns"), (list, tuple)) else 0
     result["answer_score"] = result["score"]
     result["turn_reward"] = sum(rewards.values())
-    result["turn_rewards"] = [dict(t) for t in recorded if isinstance(t, dict)]
+    result["turn_rewards"] = [dict(t) for t in own if isinstance(t, dict)]
     result["answer_span"] = _last_model_span(fsm)
     try:
         rule = reward_rule(args)
@@ -256,6 +290,11 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
     if environment is not None:
         success = environment.get("success")
         result["acc"] = success if isinstance(success, bool) else result["score"] > 0
+    if (fsm.get("segment") or {}).get("per_turn") and own:  # a turn's own sample: the environment scored it
+        result["score"] = sum(turn_rewards_by_turn(own).values())
+    weight = fsm.get("reward_weight")
+    if isinstance(weight, (int, float)) and not isinstance(weight, bool):
+        result["score"] *= float(weight)
     return result
 
 

@@ -17,7 +17,7 @@ import attrs
 from engine.machine import checkpoint
 from engine.machine.rollout import Marks, Rollout, Saved
 from engine.machine.trajectory import Trajectory
-from engine.machine.states import State, Trigger
+from engine.machine.states import LOGS_A_TURN, State, Trigger
 from engine.machine.table import get_machine
 from engine.sglang.wire import top_p_asked
 
@@ -253,7 +253,7 @@ def own_metadata(sample: Any) -> dict[str, Any]:
 
 @attrs.frozen
 class Piece:
-    """One segment of an agent's rollout, as one sample: its arrays, why it ended, its stretch of the record."""
+    """One sample of a rollout: a segment (or one model turn of it), its arrays, why it ended, its stretch of the record."""
 
     traj: Trajectory
     reason: str | None
@@ -262,23 +262,87 @@ class Piece:
     last: bool
 
 
-def pieces(r: Rollout) -> list[Piece]:
-    """The rollout's segments in order: those its history breaks closed, then the last."""
+def pieces(r: Rollout, per_turn: bool = False) -> list[Piece]:
+    """The rollout's samples in order: the segments its breaks closed, then the last; with
+    `per_turn`, each segment's model turns one by one (a segment without one stays whole)."""
     closed = [Piece(s.traj, s.reason, s.start, s.end, False) for s in r.closed]
-    return [*closed, Piece(r.traj, r.reason, r.segment_start, Marks.of(r.record), True)]
+    whole = [*closed, Piece(r.traj, r.reason, r.segment_start, Marks.of(r.record), True)]
+    if not per_turn:
+        return whole
+    return [turn for piece in whole for turn in turn_pieces(r, piece)]
+
+
+def turn_pieces(r: Rollout, piece: Piece) -> list[Piece]:
+    """A segment's model turns, each its own piece: its prompt all before it, its tokens the model's.
+
+    Each model run of the segment is the turn whose log entry has tokens (in order); a turn's path
+    is its stretch of the segment's, up to and through the edge that logged it, the last turn's to
+    the segment's end. The last turn ends as the segment does; the others end with `per_turn`.
+    """
+    runs = [s for s in piece.traj.segments if s.kind == "model"]
+    if not runs:
+        return [piece]
+    trace = r.record.trace[piece.start.trace:piece.end.trace]
+    logging = [piece.start.trace + k + 1 for k, step in enumerate(trace) if (str(step[0]), str(step[1])) in LOGS_A_TURN]
+    entries = piece.end.turns - piece.start.turns
+    restored = max(0, entries - len(logging))  # a resumed sample's first entries came from its checkpoint
+    ends = [piece.start.trace] * restored + logging  # where each entry's path ends
+    out: list[Piece] = []
+    begin = Marks(piece.start.turns, piece.start.versions, piece.start.stats, piece.start.trace)
+    versions, stats = piece.start.versions, piece.start.stats
+    made = 0
+    for i in range(piece.start.turns, piece.end.turns):
+        entry = r.record.turn_log[i]
+        versions += 1 if entry.get("weight_version") is not None else 0
+        stats += 1 if "cached_tokens" in entry else 0
+        if not entry.get("tokens") or made >= len(runs):
+            continue
+        run = runs[made]
+        made += 1
+        last = made == len(runs)
+        end = piece.end if last else Marks(i + 1, versions, stats, ends[i - piece.start.turns])
+        out.append(Piece(piece.traj.turn(run.start, run.end), piece.reason if last else "per_turn", begin, end,
+                         piece.last and last))
+        begin = end
+    return out
+
+
+def reward_weights(cfg: Any, count: int) -> list[float]:
+    """What each of a rollout's `count` samples gets of its reward: all of it (shared), or the last all
+    of it and each earlier one engine_segment_discount times the next's (discounted)."""
+    if cfg.segment_reward != "discounted":
+        return [1.0] * count
+    return [cfg.segment_discount ** (count - 1 - k) for k in range(count)]
+
+
+def weighted_reward(reward: Any, weight: float) -> Any:
+    """A reward given to a whole rollout, as one of its samples' share (`reward_weights`): a number
+    times `weight`; a dict with its `score` (what engine.slime.reward_func's are trained by) times
+    `weight`, the rest as given; anything else as given."""
+    if weight == 1.0:
+        return reward
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+        return reward * weight
+    score = reward.get("score") if isinstance(reward, dict) else None
+    if isinstance(score, (int, float)) and not isinstance(score, bool):
+        return {**reward, "score": score * weight}
+    return reward
 
 
 def write_segments(sample: Any, r: Rollout, decode: Callable[[list[int]], str], *, requeued: bool,
-                   agent: dict[str, Any] | None = None) -> list[Any]:
-    """One sample per segment of an agent's rollout (slime's fan-out), `sample` the first.
+                   agent: dict[str, Any] | None = None, per_turn: bool = False) -> list[Any]:
+    """One sample per segment of a rollout (slime's fan-out), `sample` the first; with `per_turn`,
+    one per model turn.
 
     Siblings are copies of `sample` (the user's metadata kept, the engine's fields their own)
     sharing its `rollout_id` (its `index` when it has none), so slime keeps them together. A
     segment a break closed ends COMPLETED with the break as its reason; the last ends as the
     rollout did. An ABORTED rollout is handed back ABORTED whole only to a caller that re-queues
     it (`requeued`); else its last segment ends FAILED with nothing of it trained, the reason kept.
+    Each sample's metadata says what it is of the rollout (`segment`), the rollout's last words
+    and turn rewards, which its reward is read from, and its share of that reward (`reward_weight`).
     """
-    parts = pieces(r)
+    parts = pieces(r, per_turn)
     user = {k: v for k, v in own_metadata(sample).items() if k != FSM}
     samples = [sample] + [_sibling(sample, user) for _ in parts[1:]]
     rollout_id = getattr(sample, "rollout_id", None)
@@ -286,6 +350,8 @@ def write_segments(sample: Any, r: Rollout, decode: Callable[[list[int]], str], 
         rollout_id = getattr(sample, "index", None)
     whole = rollout_metadata(r)
     whole.pop("checkpoint", None)  # a harness cannot be resumed: an aborted agent runs again whole
+    weights = reward_weights(r.cfg, len(parts))
+    rewards = whole.pop("turn_rewards", None)
     for k, (out, piece) in enumerate(zip(samples, parts)):
         text = decode(piece.traj.response_ids.tolist())
         write_arrays(out, r, piece.traj, text, r.record.weight_versions[piece.start.versions:piece.end.versions],
@@ -300,7 +366,20 @@ def write_segments(sample: Any, r: Rollout, decode: Callable[[list[int]], str], 
         set_status(out, state)
         meta = dict(whole, **segment_metadata(r, piece, decode, text))
         meta["segment"] = {"index": k, "count": len(parts), "ended_by": None if piece.last else piece.reason}
-        meta["breaks"] = [p.reason for p in parts[:-1]]
+        if per_turn:
+            meta["segment"]["per_turn"] = True
+        meta["breaks"] = [p.reason for p in parts[:-1] if p.reason != "per_turn"]
+        if len(parts) > 1:
+            meta["rollout_final_text"] = r.final_text
+            meta["rollout_turns"] = len(r.record.turn_log)
+            meta["reward_weight"] = weights[k]
+        if rewards:
+            own = turn_rewards(r.record.turn_log[piece.start.turns:piece.end.turns])
+            if per_turn:  # the turn is the whole response: its span is all of it
+                own = [dict(t, span=(0, piece.traj.response_length)) for t in own]
+            meta["turn_rewards"] = own if per_turn else rewards
+            if len(parts) > 1:
+                meta["rollout_turn_rewards"] = rewards
         if agent is not None:
             meta["agent"] = agent
         own_metadata(out)[FSM] = meta

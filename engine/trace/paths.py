@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from engine.machine.states import TERMINALS, State, Trigger
+from engine.machine.states import LOGS_A_TURN, TERMINALS, State, Trigger
 from engine.machine.table import Edge, MachineSpec
 from engine.trace.samples_file import final_state, fsm_trace, metadata, status_name
 
@@ -77,18 +77,23 @@ def resolve_path(spec: MachineSpec, sample: dict[str, Any]) -> list[Step]:
     for e in spec.edges:
         by_triple[(e.source, e.trigger, e.dest)].append(e)
     trace = fsm_trace(sample)
-    # Every reply edge logs one turn, and a resumed sample's log starts with the turns its
-    # checkpoint restored: the trace's replies are the log's last entries.
-    current = len(turns) - sum(1 for item in trace if item[0] == State.GENERATE and item[1] == Trigger.REPLY) - 1
+    # Every reply edge logs one turn (and every compaction an entry), and a resumed sample's log
+    # starts with the turns its checkpoint restored: the trace's replies are the log's last entries.
+    current = len(turns) - sum(1 for item in trace if logs_a_turn(item[0], item[1])) - 1
     steps: list[Step] = []
     for n, item in enumerate(trace, 1):
         source, trigger, dest = item[:3]
-        if source == State.GENERATE and trigger == Trigger.REPLY:
+        if logs_a_turn(source, trigger):
             current += 1
         turn = turns[current] if 0 <= current < len(turns) else None
         cands = _narrow(by_triple.get((source, trigger, dest), []), item[3])
         steps.append(Step(n, source, trigger, dest, tuple(cands), turn))
     return steps
+
+
+def logs_a_turn(source: str, trigger: str) -> bool:
+    """Whether an edge adds an entry to the turn log: a reply, or a compaction."""
+    return (str(source), str(trigger)) in LOGS_A_TURN
 
 
 def _note(certain: int, unsure: int) -> str:
@@ -208,6 +213,12 @@ def _step_details(step: Step, sample: dict[str, Any], last: bool) -> str:
             parts.append(f"the harness's next call added {turn.get('observation_tokens')} tokens")
         else:
             parts.append(f"segment break: {guard or 'a break'}; the next segment's prompt is the history as the harness gave it")
+    elif step.trigger == Trigger.COMPACTED and turn:
+        kept = f", {turn.get('dropped')} turns left out"
+        if turn.get("compaction") == "summarize":
+            parts.append(f"summary of {turn.get('summary_tokens', 0)} tokens ({turn.get('tokens')} trained){kept}")
+        else:
+            parts.append(f"the oldest exchanges dropped{kept}")
     elif step.trigger == Trigger.HARNESS_END:
         parts.append("the harness ended its session")
     elif step.source == State.ENVIRONMENT and step.trigger == Trigger.ENV_REPLY and turn:
@@ -249,16 +260,19 @@ def timeline(sample: dict[str, Any], spec: MachineSpec | None = None, position: 
     name = f"sample index {sample['index']}" if sample.get("index") is not None else "sample"
     if position is not None:
         name += f" (position {position} in the file)"
+    segment = meta.get("segment")
+    segmented = isinstance(segment, dict) and segment.get("count", 1) > 1
     head = [
         f"{name}: status {status_name(sample)}, termination reason {meta.get('termination_reason')}",
-        f"turns {len(meta.get('turns') or [])}, tool calls {stats.get('calls', 0)}, tool errors {stats.get('errors') or 'none'}, "
+        # a segment's turns are its own; the counts and times are its whole rollout's
+        f"turns {len(meta.get('turns') or [])}, {'the rollout: ' if segmented else ''}tool calls {stats.get('calls', 0)}, "
+        f"tool errors {stats.get('errors') or 'none'}, "
         f"generation {float(meta.get('generation_time') or 0):.3f} s, tools {float(meta.get('tool_time') or 0):.3f} s"
         + (f", environment {float(meta.get('environment_time') or 0):.3f} s" if meta.get("environment") else ""),
     ]
-    segment = meta.get("segment")
-    if isinstance(segment, dict) and segment.get("count", 1) > 1:
-        ended = f", ended by the break {segment['ended_by']}" if segment.get("ended_by") else ""
-        head.append(f"segment {segment.get('index', 0) + 1} of {segment['count']} of an agent's rollout{ended} "
+    if segmented:
+        ended = f", ended by {segment['ended_by']}" if segment.get("ended_by") else ""
+        head.append(f"segment {segment.get('index', 0) + 1} of {segment['count']} of a rollout{ended} "
                     f"(breaks: {', '.join(meta.get('breaks') or []) or 'none'})")
     if meta.get("engine_error"):
         head.append(f"engine error: {_short(meta['engine_error'], 200)}")

@@ -50,9 +50,10 @@ def test_an_unmodified_client_finishes_a_five_turn_tool_task(server: BackgroundS
         finally:
             await serving.close_served(slime.runtime_for(slime.EngineConfig.from_args(args)))
 
-    out = asyncio.run(go())
+    returned = asyncio.run(go())
+    assert returned == [sample], "one segment, one sample (in a list: slime's one shape for an agent's step)"
+    out = returned[0]
     fsm = out.metadata["fsm"]
-    assert out is sample, "one segment, one sample"
     assert (out.status, fsm["termination_reason"], fsm["breaks"]) == (Sample.Status.COMPLETED, "harness_finished", []), fsm
     assert fsm["agent"]["result"].strip() == ANSWER  # the answer as the client read it
     assert fsm["agent"]["refused"] == [] and fsm["agent"]["retries"] == 0

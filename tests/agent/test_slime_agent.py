@@ -16,6 +16,7 @@ from engine.local.invariants import sample_violations
 from engine.local.sample import Sample
 from engine.profiles.chat import ChatProfile
 from engine.profiles.tokenizer import load_tokenizer
+from engine.slime.sample_io import weighted_reward
 from tests.support.agents import ScriptedModel
 from tests.support.helpers import URL, make_args
 
@@ -45,7 +46,7 @@ def generate(agent: str, sample: Sample, **settings: Any) -> tuple[Any, Scripted
 def test_an_agent_s_verbatim_task_is_one_sample_its_tokens_the_server_s():
     sample = Sample(index=7, prompt="Add the numbers 0 to 5 with the tool.", label="15")
     out, model = generate(f"{HARNESSES}:add_task", sample)
-    assert out is sample and sample.status == Sample.Status.COMPLETED
+    assert out == [sample] and sample.status == Sample.Status.COMPLETED  # a list of one: the one shape
     fsm = sample.metadata["fsm"]
     assert fsm["termination_reason"] == "harness_finished" and fsm["breaks"] == []
     assert fsm["agent"] == {"reason": "harness_finished", "refused": [], "retries": 0, "result": 1.0}
@@ -78,11 +79,27 @@ def test_a_compacted_history_fans_out_to_samples_sharing_the_rollout_id():
     assert out[0].metadata["fsm"]["trace"][-1] == ["HARNESS", "harness_call", "BUDGET_CHECK"] or tuple(
         out[0].metadata["fsm"]["trace"][-1]) == ("HARNESS", "harness_call", "BUDGET_CHECK")
     assert tuple(out[1].metadata["fsm"]["trace"][0]) == ("BUDGET_CHECK", "check", "GENERATE")
+    assert [s.reward for s in out] == [1.0, 1.0]  # the harness's reward, shared (engine_segment_reward's default)
+
+
+def test_a_harness_s_reward_is_discounted_per_segment_back_from_the_last():
+    sample = Sample(index=3, prompt="Add the numbers 0 to 5 with the tool.")
+    out, _ = generate(f"{HARNESSES}:compacting", sample, engine_segment_reward="discounted", engine_segment_discount=0.5)
+    assert [s.metadata["fsm"]["segment"]["ended_by"] for s in out] == ["history_compacted", None]
+    assert [s.reward for s in out] == [0.5, 1.0]
+    assert [s.metadata["fsm"]["reward_weight"] for s in out] == [0.5, 1.0]  # what reward_func scales by, had it scored them
+
+
+def test_a_reward_given_whole_is_shared_as_its_kind_allows():
+    assert weighted_reward(2.0, 0.5) == 1.0 and weighted_reward(3, 1.0) == 3
+    assert weighted_reward({"score": 2.0, "acc": True}, 0.25) == {"score": 0.5, "acc": True}
+    assert weighted_reward({"acc": 1.0}, 0.25) == {"acc": 1.0}  # no score to share: as given
+    assert weighted_reward(True, 0.5) is True
 
 
 def test_a_harness_that_crashes_ends_the_sample_failed_with_its_turn_kept():
     sample = Sample(index=1, prompt="Add.")
-    out, model = generate(f"{HARNESSES}:crashing", sample)
+    [out], model = generate(f"{HARNESSES}:crashing", sample)
     fsm = out.metadata["fsm"]
     assert out.status == Sample.Status.FAILED and fsm["termination_reason"] == "harness_crashed"
     assert "RuntimeError: the harness broke" in fsm["agent"]["detail"] and not out.remove_sample
@@ -91,14 +108,14 @@ def test_a_harness_that_crashes_ends_the_sample_failed_with_its_turn_kept():
 
 def test_a_harness_past_its_time_is_stopped_and_the_sample_truncated():
     sample = Sample(index=1, prompt="Add.")
-    out, _ = generate(f"{HARNESSES}:hanging", sample, timeout=1.0)
+    [out], _ = generate(f"{HARNESSES}:hanging", sample, timeout=1.0)
     assert out.status == Sample.Status.TRUNCATED
     assert out.metadata["fsm"]["termination_reason"] == "harness_timed_out" and out.response_length > 0
 
 
 def test_a_harness_that_never_calls_the_model_leaves_nothing_to_train():
     sample = Sample(index=1, prompt="Add.")
-    out, _ = generate(f"{HARNESSES}:silent", sample)
+    [out], _ = generate(f"{HARNESSES}:silent", sample)
     assert out.status == Sample.Status.FAILED and out.remove_sample
     assert out.metadata["fsm"]["termination_reason"] == "harness_made_no_call"
     assert out.metadata["fsm"]["agent"]["result"] == "nothing to do"
@@ -119,7 +136,7 @@ def test_an_agent_that_cannot_run_is_a_setup_failure_not_a_crash(agent: str, pro
 @pytest.mark.slow
 def test_a_command_line_harness_gets_its_session_in_the_environment():
     sample = Sample(index=2, prompt="Add the numbers 0 to 5 with the tool.")
-    out, model = generate(f"{sys.executable} -m tests.support.agent_cli --task {{prompt}}", sample)
+    [out], model = generate(f"{sys.executable} -m tests.support.agent_cli --task {{prompt}}", sample)
     fsm = out.metadata["fsm"]
     assert out.status == Sample.Status.COMPLETED, fsm
     assert "harness starts: Add the numbers 0 to 5 with the tool. --task Add the numbers" in fsm["agent"]["output"]

@@ -48,7 +48,7 @@ def test_trace_draws_the_break_that_closed_a_segment(segments: list[Sample], tmp
     path.write_text("".join(json.dumps(r) + "\n" for r in rows(segments)))
     assert main_trace(argparse.Namespace(file=str(path), position=0, out=None)) == 0
     first = capsys.readouterr().out
-    assert "segment 1 of 2 of an agent's rollout, ended by the break history_compacted" in first
+    assert "segment 1 of 2 of a rollout, ended by history_compacted" in first
     assert "segment break: history_compacted" in first
     assert "harness_call [history_compacted] ×1" in first and "HARNESS --> BUDGET_CHECK" in first
     assert main_trace(argparse.Namespace(file=str(path), position=1, out=None)) == 0

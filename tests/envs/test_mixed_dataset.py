@@ -178,7 +178,10 @@ def through_slime(sglang_rollout: Any, groups: list[list[Any]]) -> list[list[Any
 
 
 def check_step(groups: list[list[Any]], customer: Customer) -> None:
-    samples = [s for g in groups for s in g]
+    # The chat template drops reasoning before a user turn, and environments write user turns: a
+    # rollout may fan out, so every element is a list (one sample each here), as slime flattens them.
+    assert all(isinstance(element, list) and len(element) == 1 for g in groups for element in g)
+    samples = slime_rules.flatten_step(groups)
     for s in samples:
         fsm = s.metadata["fsm"]
         assert s.status.name == "COMPLETED", fsm.get("engine_error")

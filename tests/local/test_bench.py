@@ -71,3 +71,21 @@ def test_the_stall_in_flight_leaves_out_the_gap_of_the_drain_and_only_it() -> No
     assert in_flight_stall(gaps, [0.100]) == 0.030 - 0.001  # the drain fell in the last gap
     assert in_flight_stall(gaps, [5.0]) == 0.200 - 0.031  # a drain outside the run leaves all in
     assert in_flight_stall([], []) == 0.0
+
+
+def test_long_rollouts_figure_compacts_and_reports_each_length_against_the_shortest() -> None:
+    """Figure 9's machinery: every rollout takes exactly T turns, compacted more often the longer it runs."""
+    from engine.local.bench.long import SCENARIO, long_figures, long_scenario, one_pass
+    from engine.local.bench.agent import InstantAdd
+
+    tok = load_tokenizer()
+    sizes = attrs.evolve(TINY, long_samples=2, long_turns=(3, 40, 70))
+    with CannedServer({SCENARIO: long_scenario(tok)}) as server:
+        with tools.registry.registered(InstantAdd()):
+            assert asyncio.run(one_pass(server, tok, 2, 3, traced=False))[1] == 0
+        figures = asyncio.run(long_figures(server, tok, sizes))
+    assert [f.key for f in figures] == ["long_turn_cpu_40", "long_turn_cpu_70", "long_turn_memory_40", "long_turn_memory_70"]
+    assert all(f.value > 0 and f.floor and f.floor_label == "the same at 3 turns" for f in figures)
+    assert 1 <= figures[0].notes["compactions"] < figures[1].notes["compactions"] and figures[0].notes["floor_compactions"] == 0
+    assert [f.passed is None for f in figures] == [False, False, True, False]  # the longest memory row is judged
+    assert tools.get("add") is None

@@ -427,6 +427,16 @@ def test_replay_script_matching_rules(tmp_path: Path) -> None:
     assert script.select("What is 17 times 3? long-a tool") == (script.entries[1], 1)
     assert script.select("17 times 3 ... a ...") == (script.entries[0], 1)
     assert script.select("nothing") is None
+    # a turn no longer in the context is skipped: a compacted one goes on from the latest it holds
+    long = ReplayScript(entries=[ReplayEntry("Task", ["t1", "t2", "t3", "t4"]), ReplayEntry("Summarize", ["S1"]),
+                                 ReplayEntry("Quiz", ["q"])])
+    assert long.select("Task t1 t2") == (long.entries[0], 2)
+    assert long.select("Task [summary] t3") == (long.entries[0], 3)
+    assert long.select("Task t4") is None
+    # the longest prompt wins, then the one ending latest: a question asked after the task's prompt is answered
+    assert long.select("Task t1 t2 Summarize") == (long.entries[1], 0)
+    assert long.select("Summarize ... Task t1") == (long.entries[1], 0)
+    assert long.select("Quiz Task t1") == (long.entries[0], 1) and long.select("Task t1 Quiz") == (long.entries[2], 0)
     lines = tmp_path / "s.jsonl"
     lines.write_text('{"prompt": "p", "turns": ["t"]}\n\n{"prompt": "q", "turns": ["u", "v"]}\n')
     as_list = tmp_path / "s.json"

@@ -325,6 +325,9 @@ def script_through(state: str) -> tuple[list, dict[str, Any]]:
         return [turn("Hello."), turn("Hello again.")], {"environment": "echo_test"}
     if state == "HARNESS":
         return [turn(CODE)], {"harness": StubHarness([])}
+    if state == "COMPACT":  # a chat tool turn reaches the threshold: drop_oldest has only the prompt left
+        chat_call = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
+        return [turn(chat_call), turn(ANSWER)], {"profile": "chat", "compaction": "drop_oldest", "compaction_threshold": 3}
     return [turn(CODE), turn(ANSWER)], {}
 
 
@@ -368,7 +371,7 @@ def test_bad_prompt_is_a_recorded_crash_not_an_exception():
     assert "AttributeError" in r.record.error
 
 
-AWAITING = ["GENERATE", "ENVIRONMENT", *get_machine().spec.tool_states]
+AWAITING = ["GENERATE", "ENVIRONMENT", "COMPACT", *get_machine().spec.tool_states]
 
 
 @pytest.mark.parametrize("state", AWAITING)
@@ -396,7 +399,11 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
     spec = get_machine().spec
     originals = {}
     environment = None
-    if state == "ENVIRONMENT":
+    settings: dict[str, Any] = {}
+    if state == "COMPACT":  # the summary is being written when the cancellation comes
+        script, settings = script_through("COMPACT")
+        script, settings = [script[0], hang_generate], {**settings, "compaction": "summarize"}
+    elif state == "ENVIRONMENT":
         envs.register_environment(HangingEnvironment(), replace=True)
         environment, script = "hanging_test", [turn("Hello.")]
     elif state in spec.tool_states:
@@ -412,7 +419,7 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
     async def go() -> Rollout:
         with respx.mock(assert_all_called=False) as mock:
             mock.post(URL + "/generate").mock(side_effect=ScriptedServer(script))
-            rt = Runtime.create(cfg(tools=tuple(tools.names()), environment=environment), tokenizer=tok())
+            rt = Runtime.create(cfg(tools=tuple(tools.names()), environment=environment, **settings), tokenizer=tok())
             r = new_rollout(rt, PROMPT, SAMPLING)
             task = asyncio.create_task(drive(rt, r))
             while r.state != state and not task.done():
@@ -436,7 +443,7 @@ def test_cancellation_while_awaiting_ends_aborted_and_propagates(state, fake_int
     # a cancelled sample is handed back too: its text is made from its ids like any other's
     assert r.text == tok().decode(r.traj.response_ids.tolist())
     assert (r.traj.response_length > 0) == (state != "GENERATE")
-    assert state in ("GENERATE", "ENVIRONMENT") or "<tool_call>" in r.text
+    assert state in ("GENERATE", "ENVIRONMENT") or "<tool_call>" in r.text  # COMPACT and the tools: after a call
 
 
 def corrupting_machine(target: str) -> RolloutMachine:

@@ -38,7 +38,8 @@ async def generate_and_rm_group(args: Any, group: list[Any], sampling_params: di
     (`custom_generate_function_path`, handed `evaluation` when it takes it) on a private copy of
     the sampling params per sample, all of the group gathered at once; then, unless slime scores
     the group as a whole (`group_rm`), the custom reward (`custom_rm_path`) of each sample that is
-    not ABORTED and has none yet. A sample already COMPLETED or TRUNCATED is handed back as is."""
+    not ABORTED and has none yet; a generate that returns a list (fan-out) has the reward called
+    once with the list of those without one, unless any is ABORTED. A sample already COMPLETED or TRUNCATED is handed back as is."""
     import importlib
     import inspect
     import uuid
@@ -58,7 +59,17 @@ async def generate_and_rm_group(args: Any, group: list[Any], sampling_params: di
             sample = await generate(args, sample, params, evaluation=False)
         else:
             sample = await generate(args, sample, params)
-        if getattr(args, "group_rm", False) or sample.status.name == "ABORTED":
+        if getattr(args, "group_rm", False):
+            return sample
+        if isinstance(sample, list):  # a fanned-out rollout: scored in one batch unless one is ABORTED
+            if any(s.status.name == "ABORTED" for s in sample):
+                return sample
+            unscored = [s for s in sample if s.reward is None]
+            rewards = await load(args.custom_rm_path)(args, unscored)  # slime's batched_async_rm: the list
+            for s, reward in zip(unscored, rewards):
+                s.reward = reward
+            return sample
+        if sample.status.name == "ABORTED":
             return sample
         if sample.reward is None:
             sample.reward = await load(args.custom_rm_path)(args, sample)
@@ -68,6 +79,20 @@ async def generate_and_rm_group(args: Any, group: list[Any], sampling_params: di
         if sample.session_id is None:
             sample.session_id = str(uuid.uuid4())
     return list(await asyncio.gather(*(one(sample, dict(sampling_params)) for sample in group)))
+
+
+def flatten_step(groups: list[list[Any]]) -> list[Any]:
+    """slime's `_get_rollout_data` after its rollout function: the step's groups flattened while the
+    first element is a list. Its shape decides for all: a step mixing `Sample` and `list[Sample]`
+    elements fails there (a Sample is not iterable) or leaves lists the trainer cannot take."""
+    import itertools
+
+    data: list[Any] = list(groups)
+    while isinstance(data[0], list):
+        data = list(itertools.chain.from_iterable(data))
+    if any(isinstance(d, list) for d in data):
+        raise StepDied("the step mixes samples and lists of samples: slime leaves the lists nested")
+    return data
 
 
 def slime_is_aborting() -> bool:

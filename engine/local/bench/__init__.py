@@ -2,7 +2,7 @@
 
 Modules, one per concern: `common` (sizes, rows, statistics), `server` (the canned
 loopback server, a subprocess), `rollout` (figures 1 and 6), `fsm` (2), `sandbox` (3, 4),
-`memory` (5), `agent` and `agent_harness` (8), `report` (table, JSON), `main` (the command). Importing this package
+`memory` (5), `agent` and `agent_harness` (8), `long` (9), `report` (table, JSON), `main` (the command). Importing this package
 imports none of them, so the server subprocess starts without the engine's imports.
 """
 

@@ -42,6 +42,8 @@ class Sizes:
     scale_turns: int = 2  # figure 6: turns per sample (a tool turn, then the answer)
     agent_sessions: int = 16  # figure 8: agents' sessions through the front door at once
     agent_turns: int = 52  # figure 8: calls per session (turn 50 is compared with turn 5)
+    long_samples: int = 16  # figure 9: compacted rollouts at once
+    long_turns: tuple[int, ...] = (10, 50, 100)  # figure 9: turns per rollout, one row each; the first is the floor
 
     @classmethod
     def default(cls) -> Sizes:
@@ -52,7 +54,7 @@ class Sizes:
         return cls(
             samples=64, turns=4, concurrency=32, repeats=3, fsm_cycles=1000, fsm_setups=5000, add_models=200,
             tool_samples=8, tool_calls=1, tool_sleep=0.3, tool_concurrency=64, sandbox_runs=8,
-            memory_samples=20, scale_samples=(512, 1024), scale_turns=2, agent_sessions=4,
+            memory_samples=20, scale_samples=(512, 1024), scale_turns=2, agent_sessions=4, long_samples=2,
         )
 
     @classmethod
@@ -87,7 +89,7 @@ class Figure:
     threshold: float | None
     repeats: int
     notes: dict[str, Any] = attrs.field(factory=dict)
-    number: int = 0  # the figure's number (1-6); rows may share one
+    number: int = 0  # the figure's number (1-9); rows may share one
 
     @property
     def ratio(self) -> float | None:

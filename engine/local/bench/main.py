@@ -20,6 +20,7 @@ from engine import tools
 from engine.local.bench.common import Figure, Sizes
 from engine.local.bench.agent import SCENARIO, agent_figures, agent_scenario
 from engine.local.bench.fsm import fsm_figures
+from engine.local.bench.long import SCENARIO as LONG, long_figures, long_scenario
 from engine.local.bench.memory import body_figure, memory_figure
 from engine.local.bench.ray import ray_figures
 from engine.local.bench.report import format_table, to_json
@@ -62,8 +63,11 @@ async def _http_figures(server: CannedServer, tokenizer: Any, sizes: Sizes, cloc
     scale = await scale_figure(server, tokenizer, sizes, repeats=sizes.repeats)
     clock.start("8 agents")
     agent = await agent_figures(server, tokenizer, sizes)
+    clock.start("9 long rollouts")
+    long = await long_figures(server, tokenizer, sizes)
     clock.stop()
-    return {"rollout": rollout, "concurrency": [concurrency], "sandbox": sandbox, "scale": scale, "agent": agent}
+    return {"rollout": rollout, "concurrency": [concurrency], "sandbox": sandbox, "scale": scale, "agent": agent,
+            "long": long}
 
 
 def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[str, Any]]:
@@ -84,12 +88,14 @@ def run_all(sizes: Sizes, *, quiet: bool = False) -> tuple[list[Figure], dict[st
         "scale": scenario(tokenizer, sizes.scale_turns, "print(1)"),
         "sleep": scenario(tokenizer, sizes.tool_calls + 1, sleep_code(sizes.tool_sleep)),
         SCENARIO: agent_scenario(tokenizer, sizes.agent_turns),
+        LONG: long_scenario(tokenizer),
     }
     with CannedServer(scenarios) as server:
         http = asyncio.run(_http_figures(server, tokenizer, sizes, clock))
     groups = [http["rollout"], fsm, http["concurrency"], http["sandbox"], memory, http["scale"]]
     groups.append(ray_figures(sizes))  # 7: sandboxed calls on a two-node Ray test cluster (an info row without ray)
     groups.append(http["agent"])  # 8: an agent's calls as its history grows; the front door against the engine's loop
+    groups.append(http["long"])  # 9: a turn of a compacted rollout at 10, 50 and 100 turns
     figures = []
     for number, group in enumerate(groups, 1):
         for figure in group:

@@ -45,7 +45,7 @@ def format_table(figures: list[Figure], header: dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     out = [" ".join(f"{k}={v}" for k, v in header.items() if not isinstance(v, dict)),
            "seconds per figure: " + ", ".join(f"{k} {v}" for k, v in header.get("seconds", {}).items()), "", *lines, "",
-           "# = figure number; n = repeats whose median is shown (figure 4: calls, p50 of them; figure 5: one pass)."]
+           "# = figure number; n = repeats whose median is shown (figure 4: calls, p50 of them; figures 5 and 9's memory: one pass)."]
     for f in figures:
         if f.notes:
             out.append(f"  {f.key}: {json.dumps(f.notes, default=_round)}")

@@ -7,13 +7,17 @@ A replay file is JSON (a list of entries, or `{"entries": [...]}`) or JSONL (one
 
 Matching rule, applied to the request's input decoded with special tokens kept:
 
-1. An entry is a candidate when its `prompt` occurs in the decoded input. Among candidates
-   the longest prompt wins (the most specific), ties going to the first in the file.
-2. The turn to play is k = how many of the entry's turns already appear, in order, after the
-   first occurrence of the prompt. A turn "appears" when its text, stripped of surrounding
-   whitespace and of a trailing `<|im_end|>` / `<|endoftext|>`, is found there; the stripping
-   lets a client that re-renders past turns through a chat template still match.
-3. When every turn is already present, or no entry matches, the server samples as usual.
+1. An entry is a candidate when its `prompt` occurs in the decoded input. Among candidates the
+   longest prompt wins (the most specific: a simulated user's instructions over the conversation
+   it is shown, a compaction's question over the task's prompt it follows), then the one ending
+   latest in the input (a question asked after the prompt), then the first in the file.
+2. The turn to play is the one after the last of the entry's turns found after the first
+   occurrence of the prompt, each looked for after the one found before it. A turn is "found"
+   when its text, stripped of surrounding whitespace and of a trailing `<|im_end|>` /
+   `<|endoftext|>`, is there; the stripping lets a client that re-renders past turns through a
+   chat template still match. A turn not found is skipped: a compacted context that no longer
+   holds the oldest turns goes on from the latest it holds.
+3. When the entry's last turn is already present, or no entry matches, the server samples as usual.
 
 The chosen turn is tokenized as written (special-token strings become their ids). When its last
 token is not an EOS id, `<|im_end|>` is appended, as a chat model ends its turn; stop strings,
@@ -62,20 +66,22 @@ class ReplayScript:
     def select(self, decoded_input: str) -> tuple[ReplayEntry, int] | None:
         """The matching entry and the index of the turn to play next, or None to sample."""
         best: ReplayEntry | None = None
+        best_rank = (-1, -1)
         for entry in self.entries:
-            if entry.prompt in decoded_input and (best is None or len(entry.prompt) > len(best.prompt)):
-                best = entry
+            at = decoded_input.find(entry.prompt)
+            rank = (len(entry.prompt), at + len(entry.prompt))
+            if at >= 0 and rank > best_rank:
+                best, best_rank = entry, rank
         if best is None:
             return None
-        pos = decoded_input.find(best.prompt) + len(best.prompt)
+        pos = best_rank[1]
         done = 0
-        for turn in best.turns:
+        for k, turn in enumerate(best.turns):
             needle = _needle(turn)
             found = decoded_input.find(needle, pos) if needle else pos
-            if found < 0:
-                break
-            pos = found + len(needle)
-            done += 1
+            if found >= 0:
+                pos = found + len(needle)
+                done = k + 1
         return (best, done) if done < len(best.turns) else None
 
     def turn_text(self, decoded_input: str) -> str | None:
