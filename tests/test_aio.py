@@ -10,6 +10,15 @@ import pytest
 from engine.aio import Deadlines, Gate, within
 
 
+async def stubborn() -> str:
+    """Answers the cancel with a result."""
+    try:
+        await asyncio.sleep(5)
+    except asyncio.CancelledError:
+        return "kept"
+    return "slept"
+
+
 def test_within_returns_the_result_or_raises_timeout_and_leaves_no_cancel_behind() -> None:
     async def main() -> None:
         assert await within(1.0, asyncio.sleep(0.01, result=5)) == 5
@@ -22,13 +31,6 @@ def test_within_returns_the_result_or_raises_timeout_and_leaves_no_cancel_behind
             await within(0.02, within(1.0, asyncio.sleep(5)))
         assert asyncio.current_task().cancelling() == 0
 
-        async def stubborn() -> str:  # answers the cancel with a result
-            try:
-                await asyncio.sleep(5)
-            except asyncio.CancelledError:
-                return "kept"
-            return "slept"
-
         assert await within(0.02, stubborn()) == "kept"
         assert asyncio.current_task().cancelling() == 0  # taken back even though no cancel came out
         await asyncio.sleep(0.01)  # and the task still runs: no cancel was left pending
@@ -36,10 +38,13 @@ def test_within_returns_the_result_or_raises_timeout_and_leaves_no_cancel_behind
     asyncio.run(main())
 
 
-def test_within_leaves_a_cancel_from_elsewhere_a_cancel_even_when_its_deadline_fires_too() -> None:
+@pytest.mark.parametrize("bound", ["within", "Deadlines"])
+def test_a_cancel_from_elsewhere_stays_a_cancel_even_when_the_deadline_fires_too(bound: str) -> None:
+    deadline_of = within if bound == "within" else Deadlines().within
+
     async def cancelled_at(cancel_after: float, deadline: float) -> None:
         asyncio.get_running_loop().call_later(cancel_after, asyncio.current_task().cancel)
-        await within(deadline, asyncio.sleep(5))
+        await deadline_of(deadline, asyncio.sleep(5))
 
     async def main() -> None:
         for cancel_after, deadline in ((0.02, 1.0), (0.03, 0.03)):
@@ -63,13 +68,6 @@ def test_deadlines_time_out_each_await_at_its_own_deadline_on_one_timer() -> Non
             assert asyncio.current_task().cancelling() == 0
             return "timed out"
 
-    async def stubborn() -> str:  # answers the cancel with a result
-        try:
-            await asyncio.sleep(5)
-        except asyncio.CancelledError:
-            return "kept"
-        return "slept"
-
     async def kept() -> str:
         result = await deadlines.within(0.05, stubborn())
         assert asyncio.current_task().cancelling() == 0  # taken back though no cancel came out
@@ -89,23 +87,6 @@ def test_deadlines_time_out_each_await_at_its_own_deadline_on_one_timer() -> Non
 
     asyncio.run(main())
     asyncio.run(main())  # another loop: the same object starts afresh
-
-
-def test_deadlines_leave_a_cancel_from_elsewhere_a_cancel_even_when_the_deadline_fires_too() -> None:
-    deadlines = Deadlines()
-
-    async def cancelled_at(cancel_after: float, deadline: float) -> None:
-        asyncio.get_running_loop().call_later(cancel_after, asyncio.current_task().cancel)
-        await deadlines.within(deadline, asyncio.sleep(5))
-
-    async def main() -> None:
-        for cancel_after, deadline in ((0.02, 1.0), (0.03, 0.03)):
-            task = asyncio.ensure_future(cancelled_at(cancel_after, deadline))
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert task.cancelled()
-
-    asyncio.run(main())
 
 
 # -- the pool's gate: at most n requests at once, waiters in order, no slot lost to a cancel ------

@@ -8,8 +8,16 @@ import asyncio
 import attrs
 import pytest
 
-from engine.local.bench.agent import (EARLY, LATE, SCENARIO, agent_figures, agent_scenario, around, door_side,
-                                      session_side)
+from engine.local.bench.agent import (
+    EARLY,
+    LATE,
+    SCENARIO,
+    agent_figures,
+    agent_scenario,
+    around,
+    door_side,
+    session_side,
+)
 from engine.local.bench.common import Sizes
 from engine.local.bench.server import CannedServer
 from engine.profiles.tokenizer import load_tokenizer
