@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -238,7 +240,8 @@ def check_tokenizer(ns: argparse.Namespace, cfg: EngineConfig) -> Any:
         where = f"{_origin(ns, 'hf_checkpoint')} {path}" if path else "the default tokenizer"
         raise UsageError(f"{where}: cannot load a tokenizer there ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
     try:
-        profile = make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser)
+        profile = make_profile(cfg.profile, tokenizer, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser,
+                           template_kwargs=cfg.chat_template_kwargs)
     except Exception as exc:
         if cfg.tool_parser is not None and str(exc).startswith("unknown tool parser"):
             raise UsageError(f"{_origin(ns, 'engine_tool_parser')}: {exc}") from None
@@ -327,9 +330,17 @@ def check_agent(ns: argparse.Namespace, cfg: EngineConfig) -> None:
     from engine.agent.harness import HarnessSpec
 
     try:
-        HarnessSpec.parse(cfg.agent or "")
+        spec = HarnessSpec.parse(cfg.agent or "")
     except ValueError as exc:
         raise UsageError(f"{_origin(ns, 'engine_agent')}: {exc}") from None
+    # What cannot start would crash every sample alike: said once, before any is rolled out.
+    if spec.kind == "python":
+        try:
+            spec.function()
+        except Exception as exc:  # the user's module: any failure of its import is theirs to read
+            raise UsageError(f"{_origin(ns, 'engine_agent')}: {spec.target}: {type(exc).__name__}: {exc}") from None
+    elif shutil.which(spec.argv[0]) is None:
+        raise UsageError(f"{_origin(ns, 'engine_agent')}: {spec.argv[0]}: no such program (not a file, nor on PATH)")
     if cfg.profile != "chat":
         raise UsageError(f"{_origin(ns, 'engine_agent')}: an agent needs the chat profile "
                          f"({_origin(ns, 'engine_profile')} is {cfg.profile})")
@@ -406,6 +417,35 @@ def sandbox_line(plan: Plan) -> str | None:
     held = "; not held here: " + "; ".join(isolation["cannot_hold"]) if isolation.get("cannot_hold") else ""
     return (f"sandbox: {isolation.get('mode', 'mode unknown')}, with {' and '.join(layers) or 'no Landlock or seccomp'}"
             f"{held} (docs/sandbox-modes.md)")
+
+
+def replay_line(plan: Plan) -> str | None:
+    """A warning when prompts of the input hold no replay entry's prompt (None when all do, or no replay plays).
+
+    The embedded model is tiny and untrained: a prompt the script does not know is sampled
+    freely, noise up to the turn's cap, which looks like a broken harness or format.
+    """
+    if plan.replay is None:
+        return None
+    from engine.local.server.replay import load_replay
+
+    known = [entry.prompt for entry in load_replay(plan.replay).entries]
+    prompts = [text for text in dict.fromkeys(_prompt_words(s.prompt) for s in plan.samples) if text]
+    unknown = sum(not any(p in text for p in known) for text in prompts)
+    if not unknown:
+        return None
+    return (f"warning: {unknown} of {len(prompts)} prompts hold no prompt of the replay script {os.path.basename(plan.replay)}: "
+            "the embedded model (tiny, untrained) samples their turns freely, noise up to each turn's cap "
+            "(--replay FILE teaches it yours: docs/without-slime.md#replay-scripts)")
+
+
+def _prompt_words(prompt: Any) -> str:
+    """A prompt's text: itself, or its chat messages' contents one a line."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in prompt)
+    return str(prompt)
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -565,9 +605,9 @@ def main_run(ns: argparse.Namespace) -> int:
     except CannotRun as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    line = sandbox_line(plan)
-    if line:
-        print(line, file=sys.stderr)
+    for line in (sandbox_line(plan), replay_line(plan)):
+        if line:
+            print(line, file=sys.stderr)
     with sigterm_as_interrupt():
         return _run_planned(plan)
 
@@ -612,24 +652,41 @@ def _run_planned(plan: Plan) -> int:
     return report(done, plan, wall, retries, interrupted)
 
 
+def config_keys(ns: argparse.Namespace) -> dict[str, Any]:
+    """The run's --config YAML as read ({} without one, or when unreadable: plan_run says why)."""
+    if not getattr(ns, "config", None):
+        return {}
+    try:
+        return sources.load_yaml_settings(ns.config)
+    except SettingsError:
+        return {}
+
+
 def main_agent(ns: argparse.Namespace) -> int:
     """`python -m engine agent [options] -- CMD ...`: `run` with an agent per prompt.
 
-    CMD (everything after `--`) is the harness's command line; without one, the demo's agent
+    CMD (everything after `--`) is the harness's command line; without one (and without an
+    `engine_agent` from --agent or the --config YAML), the demo's agent
     (`engine.local.agent_demo`) runs the demo's prompts against the embedded server, whose
     replay teaches it the task. The profile is chat unless set.
     """
     command = list(ns.command or [])
     if command[:1] == ["--"]:
         command = command[1:]
-    demo = not command and ns.agent is None
+    configured = config_keys(ns)
+    demo = not command and ns.agent is None and configured.get("engine_agent") is None
     if command:
         ns.agent = shlex.join(command)
     elif demo:
+        if importlib.util.find_spec("openai") is None:  # else each sample ends harness_crashed, one by one
+            print("error: the demo's agent talks through the openai SDK, which is not installed: "
+                  "pip install -e '.[agent]' in the engine's checkout (or give your harness's command after --)",
+                  file=sys.stderr)
+            return EXIT_FAILED
         ns.agent = shlex.join([sys.executable, "-m", "engine.local.agent_demo"])
     if demo or ns.input is None:
         ns.input = ns.input or demo_file("agent-prompts.jsonl")
-    if ns.replay is None and not ns.server:
+    if ns.replay is None and not ns.server and not configured.get("engine_server_url"):
         ns.replay = demo_file("replay-agent.jsonl")
     if ns.profile is None:
         ns.profile = "chat"

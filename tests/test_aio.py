@@ -1,4 +1,5 @@
-"""engine.aio: `within` (one deadline, as `asyncio.timeout` does it) and `Gate` (a cheap semaphore)."""
+"""engine.aio: `within` (one deadline, as `asyncio.timeout` does it), `Deadlines` (many on one timer) and `Gate`
+(a cheap semaphore)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import asyncio
 
 import pytest
 
-from engine.aio import Gate, within
+from engine.aio import Deadlines, Gate, within
+
+
+async def stubborn() -> str:
+    """Answers the cancel with a result."""
+    try:
+        await asyncio.sleep(5)
+    except asyncio.CancelledError:
+        return "kept"
+    return "slept"
 
 
 def test_within_returns_the_result_or_raises_timeout_and_leaves_no_cancel_behind() -> None:
@@ -21,13 +31,6 @@ def test_within_returns_the_result_or_raises_timeout_and_leaves_no_cancel_behind
             await within(0.02, within(1.0, asyncio.sleep(5)))
         assert asyncio.current_task().cancelling() == 0
 
-        async def stubborn() -> str:  # answers the cancel with a result
-            try:
-                await asyncio.sleep(5)
-            except asyncio.CancelledError:
-                return "kept"
-            return "slept"
-
         assert await within(0.02, stubborn()) == "kept"
         assert asyncio.current_task().cancelling() == 0  # taken back even though no cancel came out
         await asyncio.sleep(0.01)  # and the task still runs: no cancel was left pending
@@ -35,10 +38,13 @@ def test_within_returns_the_result_or_raises_timeout_and_leaves_no_cancel_behind
     asyncio.run(main())
 
 
-def test_within_leaves_a_cancel_from_elsewhere_a_cancel_even_when_its_deadline_fires_too() -> None:
+@pytest.mark.parametrize("bound", ["within", "Deadlines"])
+def test_a_cancel_from_elsewhere_stays_a_cancel_even_when_the_deadline_fires_too(bound: str) -> None:
+    deadline_of = within if bound == "within" else Deadlines().within
+
     async def cancelled_at(cancel_after: float, deadline: float) -> None:
         asyncio.get_running_loop().call_later(cancel_after, asyncio.current_task().cancel)
-        await within(deadline, asyncio.sleep(5))
+        await deadline_of(deadline, asyncio.sleep(5))
 
     async def main() -> None:
         for cancel_after, deadline in ((0.02, 1.0), (0.03, 0.03)):
@@ -48,6 +54,39 @@ def test_within_leaves_a_cancel_from_elsewhere_a_cancel_even_when_its_deadline_f
             assert task.cancelled()
 
     asyncio.run(main())
+
+
+def test_deadlines_time_out_each_await_at_its_own_deadline_on_one_timer() -> None:
+    """What `within` does, for many awaits at once: each times out at its own deadline, the
+    cancel taken back; the ones that finish in time are untouched."""
+    deadlines = Deadlines()
+
+    async def one(seconds: float, sleep: float) -> str:
+        try:
+            return await deadlines.within(seconds, asyncio.sleep(sleep, result="slept"))
+        except TimeoutError:
+            assert asyncio.current_task().cancelling() == 0
+            return "timed out"
+
+    async def kept() -> str:
+        result = await deadlines.within(0.05, stubborn())
+        assert asyncio.current_task().cancelling() == 0  # taken back though no cancel came out
+        await asyncio.sleep(0.01)  # and the task still runs
+        return result
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        tasks = [asyncio.ensure_future(one(d, s)) for d, s in ((0.3, 5), (0.1, 5), (5, 0.01), (0.2, 0.05), (0.5, 5))]
+        ends = {}
+        for task in asyncio.as_completed(tasks):
+            result = await task
+            ends.setdefault(result, []).append(round(loop.time() - started, 1))
+        assert ends["slept"] == [0.0, 0.1] and ends["timed out"] == [0.1, 0.3, 0.5]
+        assert await asyncio.ensure_future(kept()) == "kept"
+
+    asyncio.run(main())
+    asyncio.run(main())  # another loop: the same object starts afresh
 
 
 # -- the pool's gate: at most n requests at once, waiters in order, no slot lost to a cancel ------

@@ -41,7 +41,7 @@ FOREIGN: dict[str, str] = {
         "--custom-generate-function-path", "--custom-rm-path", "--custom-rollout-log-function-path",
         "--mask-offpolicy-in-partial-rollout", "--use-rollout-routing-replay", "--tool-key",
         "--save-debug-rollout-data", "--sglang-router-ip", "--hf-checkpoint", "--ref-load", "--prompt-data",
-        "--input-key", "--label-key", "--reward-key", "--apply-chat-template", "--rollout-shuffle", "--num-rollout",
+        "--input-key", "--label-key", "--reward-key", "--apply-chat-template", "--apply-chat-template-kwargs", "--rollout-shuffle", "--num-rollout",
         "--rollout-batch-size", "--rollout-max-response-len", "--rollout-max-context-len",
         "--rollout-temperature", "--rollout-top-p", "--global-batch-size", "--balance-data", "--advantage-estimator",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--dynamic-sampling-filter-path", "--metadata-key",
@@ -54,6 +54,7 @@ FOREIGN: dict[str, str] = {
     "--greeting": "greeter.py, docs/tools.md's example plugin (`run` offers it once given the module)",
     "--repository": "mcp-server-git",
     "--task": "mini-swe-agent, the command-line harness docs/agents.md names as an engine_agent",
+    "--exit-immediately": "mini-swe-agent (docs/agents.md: its command line behind `python -m engine agent --`)",
 }
 
 
@@ -109,6 +110,8 @@ def invocation_problems(where: str, line: str) -> tuple[list[str], set[str]]:
     seen: set[str] = set()
     for m in INVOCATION.finditer(line):
         tokens = [t.strip("[]()") for t in m.group("tail").split()]  # `[--json]` in a usage line
+        if "--" in tokens:  # `agent [options] -- CMD ...`: what follows is the harness's command line
+            tokens = tokens[: tokens.index("--")]
         flags = {t.split("=", 1)[0] for t in tokens if FLAG.fullmatch(t.split("=", 1)[0])}
         seen |= flags
         if m.group("module") and m.group("module") != "engine":
@@ -169,6 +172,11 @@ def test_the_checker_finds_a_flag_that_does_not_exist() -> None:
     assert invocation_problems("x.md:1", "python -m engine rnu --server URL")[0] == [
         "x.md:1: `rnu` is not a command of python -m engine"]
     assert invocation_problems("x.md:1", "tools/regenerate.sh --chek")[0] == ["x.md:1: tools/regenerate.sh has no flag --chek"]
+    # after `agent`'s bare `--` the flags are the harness's own, checked as another program's (FOREIGN)
+    problems, seen = invocation_problems("x.md:1", "python -m engine agent --input t.jsonl -- mini --exit-immediately")
+    assert problems == [] and seen == {"--input"}
+    assert invocation_problems("x.md:1", "python -m engine agent --inptu t.jsonl -- mini")[0] == [
+        "x.md:1: python -m engine agent has no flag --inptu"]
     assert not set(FOREIGN) & every_flag_of_ours(), "a FOREIGN flag is the engine's own: take it out of FOREIGN"
 
 

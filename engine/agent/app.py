@@ -13,7 +13,12 @@ do not send it again; a session that raises gets a 500, which they do retry. An 
 (`x-stainless-retry-count` > 0) is marked on the call with the body's digest, so the session
 answers it with the earlier answer instead of taking a second turn.
 
-Each protocol module provides `read(body) -> Asked` (or BadRequest), `reply(answer, asked)`,
+A harness sends its whole history with every call: the door keeps what it read of a session's
+last history with the session (`Sessions.notes`), and reads of the next call only the items that
+are not the same text at the same place (`engine.agent.shapes.History`), so a call costs what it
+adds, not what its history holds.
+
+Each protocol module provides `read(body, last) -> Asked` (or BadRequest), `reply(answer, asked)`,
 `events(answer, asked)` (the stream's bytes), `error(problem)`, `model_list(names)` and
 `model_card(name)`; the two that count tokens add `token_count(n)`.
 """
@@ -31,9 +36,9 @@ from urllib.parse import quote
 import attrs
 from aiohttp import web
 
-from engine.agent import chat, messages, responses
+from engine.agent import chat, messages, responses, shapes
 from engine.agent.calls import CallRefused, ModelAnswer, Sessions
-from engine.agent.shapes import Asked, BadRequest, Problem
+from engine.agent.shapes import Asked, BadRequest, History, Problem
 
 log = logging.getLogger("engine.agent")
 
@@ -87,7 +92,7 @@ def make_app(sessions: Sessions, *, max_body: int = MAX_BODY) -> web.Application
         app.router.add_post(f"{prefix}/v1/responses/input_tokens", door.counter(responses, responses.read))
         app.router.add_post(f"{prefix}/v1/messages", door.handler(messages))
         app.router.add_post(f"{prefix}/v1/messages/count_tokens",
-                            door.counter(messages, lambda body: messages.read(body, counting=True)))
+                            door.counter(messages, lambda body, last: messages.read(body, last, counting=True)))
         app.router.add_get(f"{prefix}/v1/models", door.models)
         app.router.add_get(f"{prefix}/v1/models/{{model}}", door.model)
     app.router.add_route("*", "/{tail:.*}", door.unknown)
@@ -95,6 +100,7 @@ def make_app(sessions: Sessions, *, max_body: int = MAX_BODY) -> web.Application
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Reader = Callable[[Any, History | None], Asked]  # a protocol's `read(body, last)`
 Answered = TypeVar("Answered", ModelAnswer, int)
 
 
@@ -108,7 +114,7 @@ class _Door:
         """A model call's route: read, ask the session, answer (or stream)."""
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            found = await self._prelude(request, dialect, dialect.read)
+            found = await self._prelude(request, dialect, dialect.read, keep=True)
             if isinstance(found, web.Response):
                 return found
             key, asked = found
@@ -121,7 +127,7 @@ class _Door:
 
         return handle
 
-    def counter(self, dialect: ModuleType, read: Callable[[Any], Asked]) -> Handler:
+    def counter(self, dialect: ModuleType, read: Reader) -> Handler:
         """A token count's route (`count_tokens`, `input_tokens`): the session renders and counts."""
 
         async def count(request: web.Request) -> web.StreamResponse:
@@ -151,9 +157,11 @@ class _Door:
         problem = Problem(404, "not_found", f"no such endpoint: {request.method} {request.path}", code="unknown_url")
         return _problem(request, _listing(request), problem, None)
 
-    async def _prelude(self, request: web.Request, dialect: ModuleType,
-                       read: Callable[[Any], Asked]) -> tuple[str, Asked] | web.Response:
-        """The session key and the request read as a call, or the error response."""
+    async def _prelude(self, request: web.Request, dialect: ModuleType, read: Reader, *,
+                       keep: bool = False) -> tuple[str, Asked] | web.Response:
+        """The session key and the request read as a call, or the error response. The session's
+        last history as read is reused; `keep`: this one is kept for its next call (a token count
+        is not: it may count a history the harness is only trying out)."""
         key = _key(request)
         if key is None:
             problem = Problem(401, "unauthorized", "no session key: use the session's base URL, or its key as the "
@@ -165,15 +173,17 @@ class _Door:
             problem = Problem(413, "too_large", f"the request body is over the limit: {exc.text}")
             return _problem(request, dialect, problem, key)
         try:
-            body = json.loads(raw)
+            body, exact = shapes.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             return _problem(request, dialect, Problem.invalid(f"the body is not JSON: {exc}"), key)
-        except RecursionError:  # valid JSON nested past the parser's stack: refused like any unreadable body
-            return _problem(request, dialect, Problem.invalid("the body is JSON nested too deep to read"), key)
+        keeper = getattr(self.sessions, "notes", None)  # optional: without it each request is read whole
+        notes = keeper(key) if exact and keeper is not None else None
         try:
-            asked = read(body)
+            asked = read(body, None if notes is None else notes.get(dialect.__name__))
         except BadRequest as exc:
             return _problem(request, dialect, exc.problem, key)
+        if keep and notes is not None and asked.history is not None:
+            notes[dialect.__name__] = asked.history
         digest = hashlib.sha256(raw).hexdigest()
         call = attrs.evolve(asked.call, digest=digest, retry_of=digest if _retry_count(request) > 0 else None)
         return key, attrs.evolve(asked, call=call)

@@ -148,3 +148,10 @@ class Sessions(Protocol):
     def models(self) -> list[str]:
         """The model names served (`/v1/models`)."""
         ...
+
+    def notes(self, key: str) -> dict[str, Any] | None:
+        """A dict kept with the session `key` for the door, gone with the session (None: no such
+        session). The door keeps there what it read of the session's last request, so that the
+        next one, which repeats that history, is read only for what it adds. Optional: sessions
+        without it are served all the same, each request's history read whole."""
+        ...

@@ -36,8 +36,9 @@ _ERROR_CODES = {"unauthorized": "invalid_api_key", "not_found": "model_not_found
 
 # ---- requests -----------------------------------------------------------------------------
 
-def read(body: Any) -> Asked:
-    """A chat completion request as a call, or BadRequest naming the field."""
+def read(body: Any, last: shapes.History | None = None) -> Asked:
+    """A chat completion request as a call, or BadRequest naming the field; `last`: the session's
+    previous request's history as read, whose repeated messages are not read again."""
     body = shapes.obj(body, "")
     model = shapes.text(body, "model", "", required=True)
     for key in ("functions", "function_call"):
@@ -52,11 +53,12 @@ def read(body: Any) -> Asked:
         raise BadRequest("response_format other than text is not served: structured output is not enforced",
                          "response_format")
     tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(shapes.array(body, "tools", "")))
-    messages = shapes.array(body, "messages", "", required=True)
-    if not messages:
+    given = shapes.array(body, "messages", "", required=True)
+    if not given:
         raise BadRequest("messages must hold at least one message", "messages")
+    messages, history = shapes.read_items(given, last, _messages)
     call = ModelCall(
-        messages=tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages)),
+        messages=tuple(messages),
         tools=tools,
         sampling=shapes.sampling(body, SAMPLING),
         protocol="chat",
@@ -67,7 +69,7 @@ def read(body: Any) -> Asked:
     options = body.get("stream_options")
     include_usage = stream and options is not None and shapes.flag(
         shapes.obj(options, "stream_options"), "include_usage", "stream_options")
-    return Asked(call=call, stream=stream, usage_in_stream=include_usage)
+    return Asked(call=call, stream=stream, usage_in_stream=include_usage, history=history)
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
@@ -77,6 +79,12 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     function = shapes.obj(tool.get("function"), f"{where}.function")
     return shapes.function_tool(function.get("name"), function.get("description"), function.get("parameters"),
                                 f"{where}.function")
+
+
+def _messages(items: list[Any], start: int, messages: list[Message], marks: list[int]) -> None:
+    for i in range(start, len(items)):
+        messages.append(_message(items[i], f"messages[{i}]"))
+        marks.append(len(messages))
 
 
 def _message(message: Any, where: str) -> Message:

@@ -137,8 +137,23 @@ async def _run_command(spec: HarnessSpec, base_url: str, api_key: str, prompt: A
     output = await _tail(reading, tail)
     if code != 0:
         how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-        return HarnessOutcome("harness_crashed", f"{argv[0]}: {how}", output=output)
+        last = last_line(output)  # most harnesses say why on their last line (an exception, a usage error)
+        return HarnessOutcome("harness_crashed", f"{argv[0]}: {how}" + (f": {last}" if last else ""), output=output)
     return HarnessOutcome("harness_finished", output=output)
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit):")
+
+
+def last_line(output: str, limit: int = 200) -> str:
+    """What a command's output says last: its last exception line (`RuntimeError: ...`), else its
+    last non-blank line, cut to `limit` characters ("" when there is none).
+
+    The exception line first: a harness that prints a rich traceback or wraps its message
+    leaves a fragment of it on the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    line = next((x for x in reversed(lines) if _EXCEPTION_LINE.match(x)), lines[-1] if lines else "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 async def _read_tail(proc: asyncio.subprocess.Process, tail: bytearray) -> None:

@@ -151,7 +151,7 @@ def _prefix(history: Sequence[Message], transcript: Sequence[Message], model_tur
     n = len(transcript)
     for i in range(min(n, len(history))):
         ours, theirs = transcript[i], history[i]
-        if ours == theirs:  # the usual case, in one comparison: sent back as it was
+        if ours is theirs or ours == theirs:  # the usual case: sent back as it was (the door reuses what it read)
             continue
         if i in model_turns:
             verdict = turn_matches(ours, theirs, matcher)

@@ -33,8 +33,9 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
 
 # ---- requests -----------------------------------------------------------------------------
 
-def read(body: Any, *, counting: bool = False) -> Asked:
-    """A Messages request (or a count_tokens request, which has no `max_tokens`) as a call, or BadRequest."""
+def read(body: Any, last: shapes.History | None = None, *, counting: bool = False) -> Asked:
+    """A Messages request (or a count_tokens request, which has no `max_tokens`) as a call, or BadRequest;
+    `last`: the session's previous request's history as read, whose repeated messages are not read again."""
     body = shapes.obj(body, "")
     model = shapes.text(body, "model", "", required=True)
     if not counting:
@@ -49,11 +50,11 @@ def read(body: Any, *, counting: bool = False) -> Asked:
     given = shapes.array(body, "messages", "", required=True)
     if not given:
         raise BadRequest("messages must hold at least one message", "messages")
-    for i, message in enumerate(given):
-        messages.extend(_message(message, f"messages[{i}]"))
+    read, history = shapes.read_items(given, last, _messages)
+    messages.extend(read)
     call = ModelCall(messages=tuple(messages), tools=tools, sampling=shapes.sampling(body, SAMPLING),
                      protocol="messages", model=model or "", tool_choice=_tool_choice(body.get("tool_choice"), tools))
-    return Asked(call=call, stream=shapes.flag(body, "stream", ""))
+    return Asked(call=call, stream=shapes.flag(body, "stream", ""), history=history)
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
@@ -88,6 +89,12 @@ def _texts(value: Any, where: str) -> str:
             raise BadRequest(f"{where}[{j}].type must be text", f"{where}[{j}].type")
         texts.append(shapes.text(block, "text", f"{where}[{j}]", required=True) or "")
     return "\n".join(texts)
+
+
+def _messages(items: list[Any], start: int, messages: list[Message], marks: list[int]) -> None:
+    for i in range(start, len(items)):
+        messages.extend(_message(items[i], f"messages[{i}]"))
+        marks.append(len(messages))
 
 
 def _message(message: Any, where: str) -> list[Message]:

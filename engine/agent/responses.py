@@ -38,8 +38,9 @@ SEALED = "fsm-reasoning:"
 
 # ---- requests -----------------------------------------------------------------------------
 
-def read(body: Any) -> Asked:
-    """A Responses request as a call, or BadRequest naming the field."""
+def read(body: Any, last: shapes.History | None = None) -> Asked:
+    """A Responses request as a call, or BadRequest naming the field; `last`: the session's previous
+    request's history as read, whose repeated items are not read again."""
     body = shapes.obj(body, "")
     model = shapes.text(body, "model", "", required=True)
     for key in SERVER_STATE:
@@ -59,10 +60,12 @@ def read(body: Any) -> Asked:
     if instructions:
         messages.append(Message(role="system", content=instructions))
     given = body.get("input")
+    history = None
     if isinstance(given, str):
         messages.append(Message(role="user", content=given))
     else:
-        messages.extend(_items(shapes.array(body, "input", "", required=True)))
+        read, history = shapes.read_items(shapes.array(body, "input", "", required=True), last, _items)
+        messages.extend(read)
     if not messages:
         raise BadRequest("input must hold at least one item", "input")
     call = ModelCall(messages=tuple(messages), tools=tools, sampling=shapes.sampling(body, SAMPLING),
@@ -75,7 +78,7 @@ def read(body: Any) -> Asked:
             "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
             "reasoning": body.get("reasoning"), "store": shapes.flag(body, "store", "", default=True),
             "sealed_reasoning": ENCRYPTED_INCLUDE in shapes.array(body, "include", "")}
-    return Asked(call=call, stream=shapes.flag(body, "stream", ""), echo=echo)
+    return Asked(call=call, stream=shapes.flag(body, "stream", ""), echo=echo, history=history)
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
@@ -99,8 +102,8 @@ class _Turn:
                        reasoning=self.reasoning, calls=tuple(self.calls))
 
 
-def _items(items: list[Any]) -> list[Message]:
-    messages: list[Message] = []
+def _items(items: list[Any], start: int, messages: list[Message], marks: list[int]) -> None:
+    """Items from `start` on (where no turn is open) as messages; a mark after each (-1 while a turn is open)."""
     turn: _Turn | None = None
 
     def close() -> None:
@@ -109,8 +112,8 @@ def _items(items: list[Any]) -> list[Message]:
             messages.append(turn.message())
             turn = None
 
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
+    for i in range(start, len(items)):
+        where, item = f"input[{i}]", items[i]
         item = shapes.obj(item, where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "reasoning":
@@ -140,8 +143,8 @@ def _items(items: list[Any]) -> list[Message]:
         else:
             raise BadRequest(f"{where}.type {kind!r} is not served (items: message, function_call, "
                              "function_call_output, reasoning)", f"{where}.type")
+        marks.append(-1 if turn is not None else len(messages))
     close()
-    return messages
 
 
 def _reasoning(item: dict[str, Any], where: str) -> str:

@@ -84,7 +84,7 @@ class Session:
         self.waiting: Pending | None = None
         self.transcript: list[Message] = []  # the open segment's history as the engine holds it
         self.model_turns: set[int] = set()  # indices of the model's own turns in it
-        self.made: set[str] = set()  # the ids of the calls its assistant messages made
+        self.made: dict[str, str] = {}  # the calls its assistant messages made: id -> tool name
         self.tools: tuple[dict[str, Any], ...] = ()  # the tools the open segment's prompt shows
         self.schemas: dict[str, Any] = {}
         self.turn_input = 0  # the sequence's length when the waiting call's turn began
@@ -93,6 +93,7 @@ class Session:
         self.refused: list[str] = []  # why calls were refused, in order (recorded with the sample)
         self.retries = 0
         self.stopped = asyncio.Event()  # the machine reached a terminal state
+        self.notes: dict[str, Any] = {}  # the door's, for this session's requests (`Sessions.notes`)
 
     # -- the door's side ----------------------------------------------------------------
     async def call(self, call: ModelCall) -> ModelAnswer | CallRefused:
@@ -158,7 +159,7 @@ class Session:
         self.waiting = pending
         if segment:
             self.transcript, self.model_turns = list(call.messages), set()
-            self.made = {c.id for m in call.messages if m.role == "assistant" for c in m.calls}
+            self.made = call_names(call.messages)
             self.tools = call.tools
             self.schemas = argument_schemas(call.tools)
 
@@ -182,7 +183,7 @@ class Session:
         r.record.tools.calls += len(answer.calls)  # handed to the harness, which runs them
         self.transcript.append(Message("assistant", answer.text, reasoning=answer.reasoning, calls=answer.calls))
         self.model_turns.add(len(self.transcript) - 1)
-        self.made.update(c.id for c in answer.calls)
+        self.made.update((c.id, c.name) for c in answer.calls)
         self._deliver(answer)
         while True:
             item = await self.queue.get()
@@ -219,16 +220,21 @@ class Session:
         if call.tools != self.tools:  # other tools: the prompt that shows them parts at its start
             match = Match(False, reason="history_forked")
         else:
-            match = match_history(call.messages, self.transcript, self.model_turns, self.owner.matcher, self.made)
+            match = match_history(call.messages, self.transcript, self.model_turns, self.owner.matcher, self.made.keys())
         try:
             if match.extends:
-                added = template_messages(match.added, profile.call_form(), call_names(self.transcript))
+                added = template_messages(match.added, profile.call_form(), self.made)
                 last = self._last_answer()
                 ids = profile.follow_ids(added, r.traj.response_ids[-1] if r.traj.response_length else None,
                                          made_calls(last.calls) if last is not None else None)
                 event = self._event("extends", call, observation_ids=tuple(ids))
+                answered = len(self.transcript) - 1
+                if answered in self.model_turns and call.messages[answered] == self.transcript[answered]:
+                    # Equal in every field: hold the harness's copy, which the door hands back as it is
+                    # with each later call, so matching it again is one identity check.
+                    self.transcript[answered] = call.messages[answered]
                 self.transcript.extend(match.added)
-                self.made.update(c.id for m in match.added if m.role == "assistant" for c in m.calls)
+                self.made.update(call_names(match.added))
                 self._take(pending, segment=False)
                 self.turn_input = r.traj.total_length + len(ids)
                 return event
@@ -309,7 +315,8 @@ class AgentSessions:
         if session is None:
             return CallRefused("unauthorized", "no session has this key")
         if call.model and call.model not in self.names and ANY_MODEL not in self.names:
-            return CallRefused("not_found", f"the model {call.model!r} is not served here: {', '.join(self.models())}")
+            return session._refuse(CallRefused("not_found", f"the model {call.model!r} is not served here: {', '.join(self.models())} "
+                                            f"(engine_agent_models lists the names served; \"*\" takes any)"))
         return session
 
     async def call(self, key: str, call: ModelCall) -> ModelAnswer | CallRefused:
@@ -334,3 +341,8 @@ class AgentSessions:
     def models(self) -> list[str]:
         """The model names served (`/v1/models`): the policy's, under the configured names."""
         return [n for n in self.names if n != ANY_MODEL]
+
+    def notes(self, key: str) -> dict[str, Any] | None:
+        """What the door keeps with the session `key` (None: no such session); it goes with the session."""
+        session = self.sessions.get(key)
+        return None if session is None else session.notes

@@ -9,12 +9,17 @@ the door does not read is left alone: the SDKs add fields faster than any server
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 
-from engine.agent.calls import CallMade, CallRefused, ModelCall, Part
+from engine.agent.calls import CallMade, CallRefused, Message, ModelCall, Part
+
+try:  # the reuse of a history's read needs orjson's exact JSON text; without it every call reads it all
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - exercised where orjson is absent
+    _orjson = None
 
 CHUNK_CHARS = 64  # characters per streamed delta: the answer is whole before the first byte
 
@@ -58,13 +63,85 @@ class Asked:
     """A request read by its protocol module: the call for the session and how to answer it.
 
     `echo` holds what the reply repeats of the request (Responses echoes its tools, tool choice
-    and sampling settings).
+    and sampling settings). `history` is what was read of its history's items, for the session's
+    next request to reuse (None without orjson).
     """
 
     call: ModelCall
     stream: bool = False
     usage_in_stream: bool = False
     echo: dict[str, Any] = attrs.field(factory=dict)
+    history: History | None = None
+
+
+# ---- a session's history, read once ---------------------------------------------------------
+
+def loads(raw: bytes) -> tuple[Any, bool]:
+    """A request body's JSON, and whether orjson read it: only then are its items' texts exact
+    (`History`); what only the standard library reads (`NaN`, a number past 64 bits) is read
+    whole and kept nowhere. Raises ValueError (or UnicodeDecodeError) for a body that is not JSON,
+    also for one nested past the parser's stack (the standard library's RecursionError)."""
+    if _orjson is not None:
+        try:
+            return _orjson.loads(raw), True
+        except ValueError:
+            pass
+    try:
+        return json.loads(raw), False
+    except RecursionError:  # orjson refuses past 1024 levels too; aiohttp answered it with a 500
+        raise ValueError("JSON nested too deep to read") from None
+
+
+@attrs.frozen(eq=False)
+class History:
+    """What was read of one request's history items, kept for the session's next request.
+
+    A harness sends its whole history with every call, the earlier items as it sent them
+    before: an item whose JSON text is the same as the one at its place last time is read the
+    same, so its messages are taken from here and only what the call adds is read. `texts` are
+    the items' JSON texts as orjson writes them (exact: a text reads back as the very value, so
+    `1` and `1.0` or `true` differ); `marks[i]` is how many messages the first `i` items made,
+    or -1 where a message was still open after them (a Responses turn gathers several items).
+    """
+
+    texts: tuple[bytes, ...]
+    marks: tuple[int, ...]
+    messages: tuple[Message, ...]
+
+    def repeated(self, texts: list[bytes]) -> tuple[int, int]:
+        """(items, messages): how many of `texts` at the start repeat this history's and were read
+        whole, and the messages they made."""
+        mine, limit, n = self.texts, min(len(texts), len(self.texts)), 0
+        while n < limit and texts[n] == mine[n]:
+            n += 1
+        while self.marks[n] < 0:  # marks[0] is 0: the start is always whole
+            n -= 1
+        return n, self.marks[n]
+
+
+# Reads `items` from index `start` on: appends their messages to `messages` and, after each item,
+# its mark (how many messages so far, or -1 while one is open) to `marks`.
+ItemReader = Callable[[list[Any], int, list[Message], list[int]], None]
+
+
+def read_items(items: list[Any], last: History | None, read_from: ItemReader) -> tuple[list[Message], History | None]:
+    """The messages of a request's history `items`, those of the items `last` read taken from it,
+    and what was read, for the next request (None without orjson or for items it cannot write)."""
+    texts = _texts(items)
+    start, made = last.repeated(texts) if last is not None and texts is not None else (0, 0)
+    messages = list(last.messages[:made]) if start else []
+    marks = list(last.marks[:start + 1]) if start else [0]
+    read_from(items, start, messages, marks)
+    return messages, None if texts is None else History(tuple(texts), tuple(marks), tuple(messages))
+
+
+def _texts(items: list[Any]) -> list[bytes] | None:
+    if _orjson is None:
+        return None
+    try:
+        return [_orjson.dumps(item) for item in items]
+    except TypeError:  # a value orjson does not write (an integer past 64 bits): nothing is reused
+        return None
 
 
 # ---- field checks -------------------------------------------------------------------------

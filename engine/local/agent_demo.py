@@ -4,7 +4,7 @@
 knows nothing of the engine: it reads its endpoint and key from `OPENAI_BASE_URL` and
 `OPENAI_API_KEY` and its task from `ENGINE_AGENT_PROMPT`, calls the model, runs the tool calls
 it gets, sends the results back, and stops at the first answer without a call (printing it).
-The embedded server's demo replay (`demo/replay-agent.jsonl`) teaches the model the task.
+The embedded server's demo replay (`engine/local/demo/replay-agent.jsonl`) teaches the model the task.
 Needs the `agent` extra (the openai SDK).
 """
 

@@ -158,7 +158,7 @@ async def step_generate(rt: Runtime, r: Rollout) -> str:
         return FAILURE_TRIGGERS[outcome.kind]
     outcome = check_reply(r, outcome, input_length, experts_start)
     r.record.call_stats.append(outcome.stats)
-    r.turn = TurnScratch(reply=outcome)
+    r.turn.reply = outcome  # the scratch made fresh above, before the request
     if outcome.problem is None:
         # A resumed turn continues the tokens it had: parse the whole turn, not the tail.
         before = r.traj.response_ids[r.traj.response_length - r.partial_turn_tokens :].tolist() if r.partial_turn_tokens else []
@@ -428,6 +428,7 @@ def _fire_fault(machine: RolloutMachine, r: Rollout, trigger: str) -> None:
 
 
 _BOUND: weakref.WeakKeyDictionary[RolloutMachine, dict[str, Any]] = weakref.WeakKeyDictionary()
+_LAST_BOUND: tuple[RolloutMachine, dict[str, Any]] | None = None  # the process's one machine, found by identity
 
 
 def behaviours(machine: RolloutMachine) -> dict[str, Any]:
@@ -437,9 +438,14 @@ def behaviours(machine: RolloutMachine) -> dict[str, Any]:
     raises `MachineDefinitionError` naming it (recorded as the sample's crash, never raised
     into the caller). The built-in states' steps are checked as this module is imported.
     """
+    global _LAST_BOUND
+    last = _LAST_BOUND
+    if last is not None and last[0] is machine:  # every step asks: no weak reference made each time
+        return last[1]
     bound = _BOUND.get(machine)
     if bound is None:
         bound = _BOUND[machine] = machine.spec.bind(STEPS)
+    _LAST_BOUND = (machine, bound)
     return bound
 
 

@@ -194,7 +194,8 @@ class Runtime:
         http = http if http is not None else make_http_client(cfg)
         client = SGLangClient(cfg.server_url, http, cfg.retry, request_timeout=cfg.request_timeout,
                               vocab_size=vocabulary_size(tok))
-        return cls(cfg, tok, make_profile(cfg.profile, tok, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser), client, ToolRunner(cfg), abort_check=abort_check)
+        return cls(cfg, tok, make_profile(cfg.profile, tok, tool_parser=cfg.tool_parser, reasoning_parser=cfg.reasoning_parser,
+                                               template_kwargs=cfg.chat_template_kwargs), client, ToolRunner(cfg), abort_check=abort_check)
 
     def tool_schemas(
         self, allowed: frozenset[str], own: dict[str, dict[str, Any]] | None = None

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from engine import tools
-from engine.aio import Gate, within
+from engine.aio import Deadlines, Gate
 from engine.settings import EngineConfig
 from engine.profiles.base import CallResult, ToolCall
 
@@ -40,6 +40,7 @@ class ToolRunner:
         self.slots = Gate(cfg.tool_concurrency)
         self.timeout = cfg.tool_timeout
         self.max_chars = cfg.tool_output_chars
+        self.backstops = Deadlines()  # the engine's limit per call: reached only when a tool ignores its own
 
     def refuse(self, call: ToolCall, kind: str) -> CallResult:
         """The answer to a call the turn's plan did not run: unparsable, unknown, or over budget."""
@@ -63,7 +64,7 @@ class ToolRunner:
             await self.slots.acquire()
             try:
                 with tools.registry.call_timeout_set(self.timeout):
-                    out = await within(self.timeout + GRACE_SECONDS, tool.execute(session, **arguments))  # no task per call
+                    out = await self.backstops.within(self.timeout + GRACE_SECONDS, tool.execute(session, **arguments))
             finally:
                 self.slots.release()
         except tools.ToolError as exc:

@@ -35,12 +35,14 @@ def profile_names() -> tuple[str, ...]:
     return tuple(sorted(_PROFILES))
 
 
-def make_profile(name: str, tokenizer: Any, *, tool_parser: str | None = None, reasoning_parser: str | None = None) -> Profile:
+def make_profile(name: str, tokenizer: Any, *, tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> Profile:
     """The profile registered as `name`, over `tokenizer`.
 
     `tool_parser` and `reasoning_parser` (SGLang parser names) go to a factory that takes them
     (chat does); naming one for a profile that reads a single format of its own is an error,
-    not ignored.
+    not ignored. `template_kwargs` (the chat template's extra variables) go to a factory that
+    takes them; a profile that renders no chat template (retool) has no use for them.
     """
     factory = _PROFILES.get(name)
     if factory is None:
@@ -57,6 +59,8 @@ def make_profile(name: str, tokenizer: Any, *, tool_parser: str | None = None, r
         if key not in takes:
             what = "tool-call" if key == "tool_parser" else "reasoning"
             raise ValueError(f"the {name} profile reads its own {what} format; engine_{key} is for chat")
+    if template_kwargs and "template_kwargs" in takes:
+        given["template_kwargs"] = template_kwargs
     return factory(tokenizer, **given)
 
 

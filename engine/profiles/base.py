@@ -74,3 +74,4 @@ class Profile(Protocol):
     def decode(self, ids: list[int]) -> str:
         """The text of token ids, special tokens kept (as slime keeps them)."""
         ...
+

@@ -10,7 +10,9 @@ format is an answer too, but marked (`Turn.foreign`) so runs count it, even wher
 shares the configured family's tags (a GLM body in hermes's `<tool_call>`): a block the
 configured parser cannot read but another family reads whole is that family's call.
 
-The prompt is `apply_chat_template(messages, tools=..., add_generation_prompt=True)`.
+The prompt is `apply_chat_template(messages, tools=..., add_generation_prompt=True)`, with the
+template kwargs the settings give (`apply_chat_template_kwargs`, slime's own: `enable_thinking`,
+...) in every render, the glue learnt below included, as the server renders a chat request.
 After a model turn, only the appended delta is tokenized: the template's glue around the
 tool messages (closing the turn, the tool responses, opening the next assistant turn),
 never the model's own tokens, which stay exactly the server's. The glue tokens get mask 0.
@@ -39,6 +41,7 @@ from engine.profiles import parsers
 from engine.profiles.base import CallResult, ToolCall, Turn, TurnReading
 from engine.profiles.retool import ANSWER_RE, parse_tool_call_json
 from engine.profiles.tokenizer import Codec
+from engine.settings.core import check_template_kwargs
 
 log = logging.getLogger(__name__)
 _SENTINEL = "@@assistant-turn-sentinel@@"
@@ -66,21 +69,29 @@ class ChatProfile:
     withheld_tools = ()  # every registered tool is offered
     renders_sample_schemas = True  # a dataset's own tool schemas (slime's --tool-key) are shown as given
 
-    def __init__(self, tokenizer: Any, tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the chat profile needs a tokenizer with a chat template")
+        # What the template is rendered with besides the messages (enable_thinking, ...), as the
+        # server renders a chat request and slime its dataset (--apply-chat-template-kwargs).
+        self.template_kwargs = check_template_kwargs(template_kwargs or {})
+        self.tokenizer = tokenizer
         self.tool_parser = tool_parser or parsers.default_tool_parser(tokenizer)
         self.parser = parsers.get_tool_parser(self.tool_parser)  # an unknown name: ValueError listing the known
         self.reasoning_parser = reasoning_parser or parsers.default_reasoning_parser(tokenizer)
         self.reasoning = parsers.get_reasoning_parser(self.reasoning_parser)  # None for "none"
-        self.tokenizer = tokenizer
         # Whether every turn starts inside the reasoning: the template's generation prompt opens it
         # (Qwen3.5, GLM-4.7, DeepSeek-V3.1 with thinking), as SGLang forces thinking for such a request.
         try:
-            prompt = tokenizer.apply_chat_template([_PROBE_USER], tokenize=False, add_generation_prompt=True)
+            prompt = self.render([_PROBE_USER], add_generation_prompt=True)
         except Exception:  # a template that cannot render a lone user message: the glue below says so
             prompt = ""
         self.thinking_forced = parsers.opens_reasoning(prompt, self.reasoning)
+        # Thinking switched off (enable_thinking: false): the generation prompt closes an empty
+        # reasoning, so the model's turns hold none; the template checks below write theirs so.
+        end = getattr(self.reasoning, "end", None)
+        self.thinking_off = bool(end) and prompt.rstrip().endswith(end.rstrip())
         self.codec = Codec(tokenizer)
         self._glue: tuple[dict[str, Any], str, Form] | None = None  # the turn tool_delta renders, its text from the sentinel on
         self._reasoning_rule: EarlierReasoning | None = None  # learnt on first use (`earlier_reasoning`)
@@ -99,9 +110,13 @@ class ChatProfile:
             _WARNED.add((self.tool_parser, self.drift))
             log.warning("chat template check (parser %s): %s", self.tool_parser, self.drift)
 
+    def render(self, messages: list[dict[str, Any]], **options: Any) -> str:
+        """The chat template's text for `messages` (`tools`, `add_generation_prompt` in `options`),
+        rendered with the profile's template kwargs: every render of the profile goes through here."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, **options, **self.template_kwargs)
+
     def render_prompt(self, prompt: Any, tools: list[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(prompt_messages(prompt), tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.render(prompt_messages(prompt), tools=tools or None, add_generation_prompt=True)
         return self.encode(text)
 
     def read_turn(self, text: str, *, forced: bool | None = None, schemas: dict[str, Any] | None = None) -> TurnReading:
@@ -190,7 +205,7 @@ class ChatProfile:
                     m["tool_call_id"], m["name"] = call["id"], call["function"]["name"]
                 if m.get("role") == "tool":
                     answered += 1
-            full = self.tokenizer.apply_chat_template([_PROBE_USER, turn, *sent], tokenize=False, add_generation_prompt=True)
+            full = self.render([_PROBE_USER, turn, *sent], add_generation_prompt=True)
             at = full.find(tail)
             if at < 0:
                 raise ValueError("the chat template renders an assistant turn differently once these messages follow it")
@@ -200,7 +215,7 @@ class ChatProfile:
                 delta = delta[len(self.closer):]
             return held.encode(self, delta)
         turn = {"role": "assistant", "content": _SENTINEL}
-        full = self.tokenizer.apply_chat_template([_PROBE_USER, turn, *sent], tokenize=False, add_generation_prompt=True)
+        full = self.render([_PROBE_USER, turn, *sent], add_generation_prompt=True)
         at = full.find(_SENTINEL)
         if at < 0:
             raise ValueError("the chat template does not show an assistant turn's text once these messages follow it")
@@ -253,7 +268,7 @@ class ChatProfile:
     def _delta(self, contents: list[str], glue: tuple[dict[str, Any], str, Form]) -> str:
         turn, tail, _ = glue
         messages = [_PROBE_USER, turn, *tool_messages(turn, contents)]
-        full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        full = self.render(messages, add_generation_prompt=True)
         at = full.find(tail)
         if at < 0:
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow it")
@@ -295,7 +310,7 @@ class ChatProfile:
         sent = [dict(m, content=held.hold(m["content"]))
                 if i >= plain_from and m.get("role") != "assistant" and isinstance(m.get("content"), str) else m
                 for i, m in enumerate(messages)]
-        text = self.tokenizer.apply_chat_template(sent, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        text = self.render(sent, tools=tools or None, add_generation_prompt=True)
         return held.encode(self, text)
 
     def ask_after_results(self, question: str) -> tuple[list[int], list[int]]:
@@ -311,10 +326,10 @@ class ChatProfile:
         assert self._glue is not None
         turn = self._glue[0]
         convo = [_PROBE_USER, turn, *tool_messages(turn, [_RESULT_SLOT])]
-        render = self.tokenizer.apply_chat_template
+        render = self.render
         tails = [text[text.rindex(_RESULT_SLOT) + len(_RESULT_SLOT):] for text in (
-            render(convo, tokenize=False), render(convo, tokenize=False, add_generation_prompt=True),
-            render([*convo, {"role": "user", "content": _USER_SLOT}], tokenize=False, add_generation_prompt=True))]
+            render(convo), render(convo, add_generation_prompt=True),
+            render([*convo, {"role": "user", "content": _USER_SLOT}], add_generation_prompt=True))]
         closed, ready, asked = tails
         if not (ready.startswith(closed) and asked.startswith(closed) and _USER_SLOT in asked):
             raise ValueError("the chat template renders a tool result differently once a user message follows it")
@@ -333,7 +348,7 @@ class ChatProfile:
             {"role": "assistant", "content": _SENTINEL},
             {"role": "user", "content": _USER_SLOT},
         ]
-        full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        full = self.render(messages, add_generation_prompt=True)
         before, after = full[full.index(_SENTINEL) + len(_SENTINEL):].split(_USER_SLOT, 1)
         head = self.encode(before)
         if head and last_token == head[0]:  # the model closed its turn itself; a stop string did not
@@ -412,11 +427,10 @@ def _reasoning_rule(profile: ChatProfile) -> EarlierReasoning:
         profile.tool_delta(["x"])
         assert profile._glue is not None
         turn = assistant_turn(profile._glue[2], _REASONING_PROBE, "Let me check.", _PROBE_CALLS)
-        after_tool = profile.tokenizer.apply_chat_template([_PROBE_USER, turn, *tool_messages(turn, ["42"])],
-                                                           tokenize=False, add_generation_prompt=True)
+        after_tool = profile.render([_PROBE_USER, turn, *tool_messages(turn, ["42"])], add_generation_prompt=True)
         answer = {"role": "assistant", "content": "It is 42.", "reasoning_content": _REASONING_PROBE}
-        after_user = profile.tokenizer.apply_chat_template(
-            [_PROBE_USER, answer, {"role": "user", "content": "And 6 * 8?"}], tokenize=False, add_generation_prompt=True)
+        after_user = profile.render(
+            [_PROBE_USER, answer, {"role": "user", "content": "And 6 * 8?"}], add_generation_prompt=True)
     except Exception:
         return "kept"
     if _REASONING_PROBE not in after_tool:
@@ -440,7 +454,7 @@ def full_render_ids(profile: ChatProfile, messages: list[dict[str, Any]], turns:
     for assistant_text, tool_texts in turns:
         convo.append({"role": "assistant", "content": assistant_text})
         convo += [{"role": "tool", "content": t} for t in tool_texts]
-    text = profile.tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
+    text = profile.render(convo, add_generation_prompt=True)
     return profile.encode(text)
 
 
@@ -513,11 +527,10 @@ def glue_turn(profile: ChatProfile, calls: list[Call], forms: tuple[Form, ...] =
     for form in forms:
         turn = assistant_turn(form, "", _SENTINEL, calls)
         try:
-            alone = profile.tokenizer.apply_chat_template([_PROBE_USER, turn], tokenize=False)
-            full = profile.tokenizer.apply_chat_template([_PROBE_USER, turn, *tool_messages(turn, ["y"])],
-                                                         tokenize=False, add_generation_prompt=True)
+            alone = profile.render([_PROBE_USER, turn])
+            full = profile.render([_PROBE_USER, turn, *tool_messages(turn, ["y"])], add_generation_prompt=True)
             if form[1] and prompt is None:
-                prompt = profile.tokenizer.apply_chat_template([_PROBE_USER], tokenize=False, add_generation_prompt=True)
+                prompt = profile.render([_PROBE_USER], add_generation_prompt=True)
         except Exception as exc:  # this template wants another form
             errors.append(f"{type(exc).__name__}: {exc}")
             continue
@@ -545,7 +558,7 @@ def template_drift(profile: ChatProfile) -> str | None:
 
 
 def _render(profile: ChatProfile, messages: list[dict[str, Any]], prompt: bool) -> str:
-    return profile.tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=prompt)
+    return profile.render(messages, tools=[_PROBE_TOOL], add_generation_prompt=prompt)
 
 
 def _model_text(profile: ChatProfile, before: list[dict[str, Any]], turn: dict[str, Any]) -> str:
@@ -558,6 +571,12 @@ def _model_text(profile: ChatProfile, before: list[dict[str, Any]], turn: dict[s
     return rendered[len(prompt):turn_end(profile, rendered)]
 
 
+def _without_empty_reasoning(profile: ChatProfile, text: str) -> str:
+    """`text` without the empty reasoning blocks a generation prompt with thinking off writes."""
+    start, end = getattr(profile.reasoning, "start", ""), getattr(profile.reasoning, "end", "")
+    return re.sub(re.escape(start.strip()) + r"\s*" + re.escape(end.strip()) + r"\s*", "", text) if start and end else text
+
+
 class _Parted(Exception):
     """The template renders the conversation so that no token stream can follow it incrementally."""
 
@@ -565,9 +584,10 @@ class _Parted(Exception):
 def _drift(profile: ChatProfile) -> str | None:
     schemas = {"code_interpreter": _PROBE_TOOL["function"]["parameters"]}
     shown = None
+    thought = ("", "") if profile.thinking_off else ("I should use the tool.", "Once more, twice.")
     for form in _FORMS[:-1]:
-        first = assistant_turn(form, "I should use the tool.", "Let me check.", code_calls(["print(6 * 7)"]))
-        second = assistant_turn(form, "Once more, twice.", "", code_calls(["print(6 * 7)", "print('é')"], first_id=1))
+        first = assistant_turn(form, thought[0], "Let me check.", code_calls(["print(6 * 7)"]))
+        second = assistant_turn(form, thought[1], "", code_calls(["print(6 * 7)", "print('é')"], first_id=1))
         try:
             text = _model_text(profile, [_PROBE_USER], first)
         except _Parted as exc:
@@ -597,8 +617,9 @@ def _drift(profile: ChatProfile) -> str | None:
         ours += profile.observation_ids(Turn("tool"), [CallResult(made[min(i, len(made) - 1)], o) for i, o in enumerate(outputs)], end)
         convo += [turn, *tool_messages(turn, outputs)]
     theirs = profile.encode(_render(profile, convo, True))
-    if ours == theirs:
-        return None
+    if ours == theirs or profile.thinking_off and _without_empty_reasoning(profile, profile.decode(ours)) == \
+            _without_empty_reasoning(profile, profile.decode(theirs)):
+        return None  # thinking off: the full render leaves out earlier turns' empty reasoning, nothing else
     at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     return (
         f"token {at}: incremental {profile.decode(ours[at:at + 8])!r} vs full render {profile.decode(theirs[at:at + 8])!r}"

@@ -14,9 +14,10 @@ offers it in `run`), then `python -m engine settings --out docs/settings.md`.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 
@@ -27,6 +28,7 @@ from engine.sandbox.runner import SandboxLimits
 from engine.settings import sources
 from engine.settings.declare import (
     Flag,
+    Kind,
     Setting,
     SettingsError,
     derived,
@@ -112,6 +114,52 @@ def from_rollout_function(cfg: Any) -> bool:
     return cfg.rollout_function_path is not None and "fully_async" in cfg.rollout_function_path
 
 
+# What the engine itself decides in a render; a template kwarg may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
+                                      "add_generation_prompt", "continue_final_message", "return_dict",
+                                      "return_tensors", "return_assistant_tokens_mask", "chat_template"})
+
+
+class TemplateKwargs(dict):  # type: ignore[type-arg]
+    """The chat template's variables: a mapping that cannot change and hashes by its content, so a
+    frozen settings object holding it stays hashable (and equal only to the same variables)."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=repr))
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("chat template kwargs cannot change once read")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only  # type: ignore[assignment]
+
+
+def check_template_kwargs(kwargs: Any) -> TemplateKwargs:
+    """`kwargs` as the chat template's extra variables: a mapping of names, none the engine sets
+    itself; ValueError (one sentence) otherwise."""
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise ValueError(f"chat template kwargs must be a mapping of names to values, got {kwargs!r}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"chat template kwargs may not set {', '.join(reserved)}: the engine sets it per render")
+    return TemplateKwargs(kwargs)
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    """A mapping, or its JSON text (slime's `--apply-chat-template-kwargs` before OmegaConf, `run`'s flag)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON ({exc.msg} at character {exc.pos})") from None
+    if hasattr(value, "items") and not isinstance(value, dict):  # an OmegaConf DictConfig, a MappingProxy
+        value = dict(value.items())
+    return check_template_kwargs(value)
+
+
+TEMPLATE_KWARGS = Kind('a mapping of the chat template\'s variables, or its JSON text, e.g. {"enable_thinking": false}',
+                       _template_kwargs)
+
+
 def _plugin_settings(value: Any) -> tuple[Any, ...]:
     items = tuple(value or ())
     for item in items:
@@ -147,6 +195,12 @@ class EngineConfig:
     reasoning_parser: str | None = setting(unset="from the chat template, else none", flag=Flag("--reasoning-parser", "NAME", SERVER),
                                            help="the chat profile's reasoning format, by SGLang's --reasoning-parser name "
                                                 "(none: no reasoning); a call inside the reasoning is not run")
+    # slime's own argument: its dataset's prompts are rendered with it; every later render must be too.
+    chat_template_kwargs: dict[str, Any] = setting(TemplateKwargs(), key="apply_chat_template_kwargs", kind=TEMPLATE_KWARGS,
+                                                   flag=Flag("--chat-template-kwargs", "JSON", SERVER),
+                                                   help="the chat profile's template variables in every render (e.g. "
+                                                        "enable_thinking), as slime renders its dataset and SGLang a "
+                                                        "chat request; slime's --apply-chat-template-kwargs")
     max_turns: int = setting(16, low=1, high=100_000, flag=Flag("--max-turns"), help="model turns per sample")
     max_tool_calls: int = setting(16, low=0, high=1_000_000, flag=Flag("--max-tool-calls", group=TOOLS),
                                   help="tool calls per sample")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import random
 import ssl
@@ -390,17 +391,15 @@ class SGLangClient:
         encoded once, and only the response's are encoded each turn.
         `routed_experts_start` asks for routed experts (routing replay) from that row on.
         """
-        def make_body() -> bytes:  # made again for each attempt: no body is held while a reply is awaited
-            return self.body(input_ids, sampling_params, max_new_tokens, routed_experts_start)
-
+        # Made again for each attempt: no body is held while a reply is awaited. Partials, not
+        # closures: `attempt(budget)` is `_post_once`'s own coroutine, one frame less that the
+        # reply's arrival resumes on its way up.
+        make_body = functools.partial(self.body, input_ids, sampling_params, max_new_tokens, routed_experts_start)
         headers = {"Content-Type": "application/json"}
         if routing_key:
             headers[ROUTING_HEADER] = str(routing_key)
         vocab = self._vocab if self._vocab_checked else await self.vocabulary()
-
-        async def attempt(budget: float) -> Reply | Failure | _Transient:
-            return await self._post_once(make_body, headers, budget, vocab)
-
+        attempt = functools.partial(self._post_once, make_body, headers, vocab=vocab)
         outcome: Reply | Failure = await self.retrying.run(attempt, self.request_timeout)
         return outcome
 

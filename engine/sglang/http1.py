@@ -158,6 +158,10 @@ class Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.answered = False  # a byte of the reply came
         self.interim = 0  # 1xx replies before the real one
+        # The request's time bound: one loop timer per connection, not one per request (see `exchange`).
+        self.deadline: float | None = None  # loop time the request in flight must end by
+        self.limit: float | None = None  # its seconds, for the message
+        self.timer: asyncio.TimerHandle | None = None  # fires at or before `deadline`
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -286,8 +290,17 @@ class Connection(asyncio.Protocol):
                 reply.keep_alive = False
             waiter.set_result(reply)
 
-    def _expire(self, limit: float | None) -> None:
-        self._fail(RequestTimeout.after(limit or 0.0))
+    def _check_deadline(self, armed_for: float) -> None:
+        """The timer fired at `armed_for`: fail the request in flight if that was its deadline, else
+        arm again at its own (a later request's, which reused the timer)."""
+        self.timer = None
+        deadline = self.deadline
+        if self.waiter is None or deadline is None:  # idle: the next request arms its own
+            return
+        if deadline <= armed_for:
+            self._fail(RequestTimeout.after(self.limit or 0.0))
+        else:
+            self.timer = asyncio.get_running_loop().call_at(deadline, self._check_deadline, deadline)
 
     def _fail(self, exc: BaseException) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -297,6 +310,9 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         """Drop the connection at once (no graceful shutdown: nothing is owed to the server)."""
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.transport is not None:
             self.transport.abort()
             self.transport = None
@@ -316,8 +332,12 @@ class Connection(asyncio.Protocol):
         reply; `RequestTimeout` at `deadline` (loop time).
 
         Once written, the bytes are the transport's alone, until the socket has taken them all.
-        The deadline is one timer on the loop that fails the wait, cheaper per request than a
-        timeout scope around it.
+        The deadline is a loop timer the connection keeps from request to request: a request
+        whose deadline is no earlier than the armed timer's arms nothing, and the timer, when it
+        fires before the request in flight is due, is armed again at that request's deadline.
+        Deadlines are rarely reached (30 minutes by default), so a connection costs one timer
+        every so often instead of a timer made, pushed on the loop's heap and cancelled per
+        request (the cancelled ones stay on the heap until the loop sweeps them).
         """
         assert self.transport is not None
         self.max_body = max_body
@@ -326,15 +346,18 @@ class Connection(asyncio.Protocol):
         self.buffer.clear()
         loop = asyncio.get_running_loop()
         self.waiter = loop.create_future()
-        timer = loop.call_at(deadline, self._expire, limit) if deadline is not None else None
+        self.deadline, self.limit = deadline, limit
+        if deadline is not None and (self.timer is None or self.timer.when() > deadline):
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = loop.call_at(deadline, self._check_deadline, deadline)
         try:
             self.transport.write(pending.pop())
             return await self.waiter
         finally:
             self.waiter = None
+            self.deadline = None
             self.reply = None  # an idle connection keeps no reply body
-            if timer is not None:
-                timer.cancel()
 
 
 def declared_length(value: str | bytes | None) -> int | None:

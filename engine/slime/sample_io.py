@@ -337,7 +337,8 @@ def write_segments(sample: Any, r: Rollout, decode: Callable[[list[int]], str], 
     Siblings are copies of `sample` (the user's metadata kept, the engine's fields their own)
     sharing its `rollout_id` (its `index` when it has none), so slime keeps them together. A
     segment a break closed ends COMPLETED with the break as its reason; the last ends as the
-    rollout did. An ABORTED rollout is handed back ABORTED whole only to a caller that re-queues
+    rollout did (with `remove_sample` when it holds no token: a break opened it with the budget
+    spent). An ABORTED rollout is handed back ABORTED whole only to a caller that re-queues
     it (`requeued`); else its last segment ends FAILED with nothing of it trained, the reason kept.
     Each sample's metadata says what it is of the rollout (`segment`), the rollout's last words
     and turn rewards, which its reward is read from, and its share of that reward (`reward_weight`).
@@ -361,8 +362,8 @@ def write_segments(sample: Any, r: Rollout, decode: Callable[[list[int]], str], 
             state = State.ABORTED.value
         elif piece.last and r.state == State.ABORTED:
             state, out.remove_sample = State.FAILED.value, True
-        elif piece.last and r.reason in NOT_TRAINED:
-            out.remove_sample = True
+        elif piece.last and (r.reason in NOT_TRAINED or not len(piece.traj.response_ids)):
+            out.remove_sample = True  # also a segment a break opened with the budget already spent: no token
         set_status(out, state)
         meta = dict(whole, **segment_metadata(r, piece, decode, text))
         meta["segment"] = {"index": k, "count": len(parts), "ended_by": None if piece.last else piece.reason}

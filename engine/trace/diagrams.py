@@ -108,13 +108,18 @@ def render_diagrams(spec: MachineSpec | None = None, *, svg: bool = True) -> dic
 
 README_START = "<!-- machine diagram: written by `python -m engine diagram`, do not edit -->"
 README_END = "<!-- end of machine diagram -->"
+PROJECT_DIAGRAMS = "diagrams"  # the folder whose drawing the README beside it embeds
 
 
 def _project_readme(out_dir: Path, spec: MachineSpec) -> tuple[Path, str, str] | None:
     """The project README beside `out_dir` with its embedded diagram: (path, current, fresh).
 
-    None when there is no README there or it has no diagram markers.
+    None when `out_dir` is not a `diagrams/` folder (a user's `--out my-diagrams`, perhaps with
+    their own tools drawn in, leaves the checkout's README alone), or when there is no README
+    beside it or it has no diagram markers.
     """
+    if out_dir.resolve().name != PROJECT_DIAGRAMS:
+        return None
     path = out_dir.resolve().parent / "README.md"
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     if README_START not in text or README_END not in text:
@@ -129,8 +134,8 @@ def write_diagrams(out_dir: str | Path, spec: MachineSpec | None = None, *,
                    skipped: list[str] | None = None) -> list[Path]:
     """Write machine.mmd, machine.svg and README.md into `out_dir`; return their paths.
 
-    The compact drawing embedded in the project's README (between its markers) is
-    rewritten too, so the README never shows an old machine. Without pygraphviz the SVG
+    Into a `diagrams/` folder, the compact drawing embedded in the README beside it (between
+    its markers) is rewritten too, so the project's README never shows an old machine. Without pygraphviz the SVG
     is left out and its reason appended to `skipped` (SvgUnavailable when none is given).
     """
     spec = spec or builtin_spec()

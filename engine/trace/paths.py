@@ -148,11 +148,6 @@ def terminal_counts(samples: Iterable[dict[str, Any]]) -> Counter[str]:
     return Counter(final_state(s) for s in samples)
 
 
-def reason_counts(samples: Iterable[dict[str, Any]]) -> Counter[tuple[str, str]]:
-    """How many samples ended in each (state, termination reason)."""
-    return Counter((final_state(s), str(metadata(s).get("termination_reason"))) for s in samples)
-
-
 def flow_overlay(spec: MachineSpec, samples: Sequence[dict[str, Any]], title: str = "") -> Overlay:
     """A batch: each edge with "n samples, ×times", each terminal with how many ended there, and
     ENVIRONMENT with the seconds the environments took."""
@@ -301,14 +296,14 @@ def flow_table(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = Non
     lines.append(f"({sum(1 for k in order if k not in times)} of {len(order)} edges of the machine not taken)")
     if t.unsure:
         lines.append("(?: some steps could be this edge or another of the same trigger; counted for each)")
-    ends = terminal_counts(samples)
-    reasons = reason_counts(samples)
+    ends = Counter(_end_name(s) for s in samples)
+    reasons = Counter((_end_name(s), str(metadata(s).get("termination_reason"))) for s in samples)
     w0 = max([len("terminal"), *(len(s) for s in ends)])
     lines += ["", f"{'terminal':<{w0}}  samples"]
-    lines += [f"{s:<{w0}}  {ends[s]:>7}" for s in sorted(ends, key=lambda s: (_rank(spec, s), s))]
+    lines += [f"{s:<{w0}}  {ends[s]:>7}" for s in sorted(ends, key=lambda s: (_rank(spec, s.split()[0]), s))]
     w1 = max([len("termination reason"), *(len(r) for _, r in reasons)])
     lines += ["", f"{'termination reason':<{w1}}  {'terminal':<{w0}}  samples"]
-    for (state, reason), n in sorted(reasons.items(), key=lambda kv: (_rank(spec, kv[0][0]), -kv[1], kv[0][1])):
+    for (state, reason), n in sorted(reasons.items(), key=lambda kv: (_rank(spec, kv[0][0].split()[0]), -kv[1], kv[0][1])):
         lines.append(f"{reason:<{w1}}  {state:<{w0}}  {n:>7}")
     times = time_in_states(samples)
     if any(seconds for seconds, _ in times.values()):
@@ -324,6 +319,16 @@ def flow_table(samples: Sequence[dict[str, Any]], spec: MachineSpec | None = Non
         lines += ["", "answers that look like calls of another format:"]
         lines += [f"  {name}  {n}" for name, n in foreign.most_common()]
     return "\n".join(lines)
+
+
+def _end_name(sample: dict[str, Any]) -> str:
+    """Where a sample ended, for the text: an agent's segment that a history break closed ends
+    where the break led (BUDGET_CHECK), not at a terminal, and says so."""
+    state = final_state(sample)
+    segment = metadata(sample).get("segment")
+    if state not in TERMINALS and isinstance(segment, dict) and segment.get("ended_by"):
+        return f"{state} (a break)"
+    return state
 
 
 def _rank(spec: MachineSpec, state: str) -> int:

@@ -46,6 +46,7 @@ class ScriptedSessions:
     answered: dict[str, ModelAnswer] = attrs.Factory(dict)  # by the body's digest
     gate: asyncio.Event | None = None  # when set, each call waits for it before answering
     finished: int = 0  # calls that ran to their answer (a cancelled one does not count)
+    kept: dict[str, dict[str, Any]] = attrs.Factory(dict)  # the door's notes, by session key
 
     def _refusal(self, key: str, call: ModelCall) -> CallRefused | None:
         """What the sessions refuse before a turn: a key never opened, a model not served."""
@@ -81,6 +82,9 @@ class ScriptedSessions:
 
     def models(self) -> list[str]:
         return list(self.served)
+
+    def notes(self, key: str) -> dict[str, Any] | None:
+        return self.kept.setdefault(key, {}) if key in self.script else None
 
 
 @attrs.define(eq=False)

@@ -40,7 +40,13 @@ def test_a_command_gets_its_session_in_the_environment_and_the_prompt_in_its_arg
 
 def test_a_command_that_fails_or_cannot_start_is_a_crash():
     failed = run_spec(f"{sys.executable} -c \"print('oops'); raise SystemExit(4)\"")
-    assert (failed.reason, failed.output.strip()) == ("harness_crashed", "oops") and "exit status 4" in failed.detail
+    assert (failed.reason, failed.output.strip()) == ("harness_crashed", "oops") and failed.detail.endswith("exit status 4: oops")
+    raised = run_spec(f"{sys.executable} -c \"import no_such_sdk_here\"")
+    assert raised.reason == "harness_crashed"
+    assert raised.detail.endswith("exit status 1: ModuleNotFoundError: No module named 'no_such_sdk_here'")
+    wrapped = run_spec(f"{sys.executable} -c \"print('RuntimeError: no price for the model'); print('see'); print('the docs');"
+                       f" raise SystemExit(1)\"")
+    assert wrapped.detail.endswith("exit status 1: RuntimeError: no price for the model")
     missing = run_spec("/no/such/harness --flag")
     assert missing.reason == "harness_crashed" and "cannot start" in missing.detail
 

@@ -170,10 +170,11 @@ def test_refusals_keep_the_session():
     (unknown, wrong_model, image, later_image, second, r), _ = with_sessions(body)
     assert (unknown.kind, unknown.status) == ("unauthorized", 401)
     assert (wrong_model.kind, wrong_model.status) == ("not_found", 404) and "policy" in wrong_model.message
+    assert "engine_agent_models" in wrong_model.message  # a harness whose model name is fixed: what to set
     assert (image.kind, image.status) == ("invalid_request", 400) and "image" in image.message
     assert later_image.kind == "invalid_request"
     assert isinstance(second, ModelAnswer) and r.closed == [] and r.turn_count == 2
-    assert r.inputs.harness.refused == ["invalid_request", "invalid_request"]
+    assert r.inputs.harness.refused == ["not_found", "invalid_request", "invalid_request"]  # recorded with the sample
 
 
 def test_any_model_name_is_served_under_a_star():

@@ -141,3 +141,17 @@ def test_a_command_line_harness_gets_its_session_in_the_environment():
     assert out.status == Sample.Status.COMPLETED, fsm
     assert "harness starts: Add the numbers 0 to 5 with the tool. --task Add the numbers" in fsm["agent"]["output"]
     assert "harness done" in fsm["agent"]["output"] and len(fsm["turns"]) == 4
+
+
+def test_a_segment_a_break_leaves_without_a_token_is_not_trained():
+    """The budget spent by the time a break opens the next segment (here max turns: the harness
+    compacts after its second turn, the job allows two): that segment holds no token, and slime
+    trains nothing of it, its reason kept."""
+    sample = Sample(index=5, prompt="Add the numbers 0 to 5 with the tool.")
+    out, _ = generate(f"{HARNESSES}:compacting", sample, engine_max_turns=2)
+    assert isinstance(out, list) and len(out) == 2
+    first, empty = out
+    assert first.metadata["fsm"]["termination_reason"] == "history_compacted" and not first.remove_sample
+    assert first.response_length > 0 and sum(first.loss_mask) > 0
+    assert empty.response_length == 0 and empty.metadata["fsm"]["termination_reason"] == "max_turns_reached"
+    assert empty.status == Sample.Status.TRUNCATED and empty.remove_sample

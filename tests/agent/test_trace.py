@@ -73,4 +73,7 @@ def test_flow_counts_each_edge_of_the_rollout_once(segments: list[Sample], tmp_p
     assert re.search(rf"^GENERATE -> HARNESS\s+reply \[harness_answers\]\s+2\s+{replies}$", table, re.M)
     assert re.search(r"^HARNESS -> BUDGET_CHECK\s+harness_call \[history_compacted\]\s+1\s+1$", table, re.M)
     assert "BUDGET_CHECK : 1 sample ended by a break here" in out.read_text()
+    # the text says so too: a segment a break closed did not end in a terminal state called BUDGET_CHECK
+    assert re.search(r"^BUDGET_CHECK \(a break\)\s+1$", table, re.M) and not re.search(r"^BUDGET_CHECK\s+1$", table, re.M)
+    assert re.search(r"^history_compacted\s+BUDGET_CHECK \(a break\)\s+1$", table, re.M)
     assert "COMPLETED : 1 sample ended here" in out.read_text()

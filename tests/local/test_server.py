@@ -437,6 +437,14 @@ def test_replay_script_matching_rules(tmp_path: Path) -> None:
     assert long.select("Task t1 t2 Summarize") == (long.entries[1], 0)
     assert long.select("Summarize ... Task t1") == (long.entries[1], 0)
     assert long.select("Quiz Task t1") == (long.entries[0], 1) and long.select("Task t1 Quiz") == (long.entries[2], 0)
+    # A history re-rendered by a template that drops earlier turns' reasoning still shows the turn.
+    thinking = ReplayEntry("Add 3+4.", ["<think>\nadd\n</think>\n\n<tool_call>add</tool_call>",
+                                        "<think>\nmul\n</think>\n\n<tool_call>mul</tool_call>", "done"])
+    script = ReplayScript(entries=[thinking])
+    assert script.select("Add 3+4. <think>\nadd\n</think>\n\n<tool_call>add</tool_call> 7") == (thinking, 1)
+    assert script.select("Add 3+4. <tool_call>add</tool_call> 7") == (thinking, 1)
+    assert script.select("Add 3+4. <tool_call>add</tool_call> 7 <tool_call>mul</tool_call> 35") == (thinking, 2)
+    assert script.select("Add 3+4. <think>\nelse\n</think> 7") == (thinking, 0)
     lines = tmp_path / "s.jsonl"
     lines.write_text('{"prompt": "p", "turns": ["t"]}\n\n{"prompt": "q", "turns": ["u", "v"]}\n')
     as_list = tmp_path / "s.json"

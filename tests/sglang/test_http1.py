@@ -491,3 +491,47 @@ def test_an_idle_connection_the_server_closed_is_seen_at_checkout_before_the_loo
         assert server.connections == 20 and len(server.requests) == 20
 
     run(go())
+
+
+def slow(delays: dict[int, float]) -> Answer:
+    """OK to every request, the n-th after `delays[n]` seconds."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        await asyncio.sleep(delays.get(n, 0.0))
+        writer.write(OK)
+        await writer.drain()
+        return True
+
+    return answer
+
+
+def test_a_connections_one_timer_bounds_each_request_by_its_own_limit() -> None:
+    """The time bound's timer is kept from request to request on a connection: a later request
+    with a shorter limit is still cut at its own, one with a longer limit is not cut at an
+    earlier one's, and requests with the same limit arm no timer of their own."""
+    async def shorter_later() -> None:
+        loop = asyncio.get_running_loop()
+        async with RawServer(slow({3: 2.0})) as server:
+            c = client()
+            await c.request("POST", server.url, content=b"{}", limit=30.0)
+            (conn,) = next(iter(idle(c).values()))
+            timer = conn.timer
+            assert timer is not None and 29.0 < timer.when() - loop.time() <= 30.0
+            await c.request("POST", server.url, content=b"{}", limit=30.0)
+            assert conn.timer is timer  # the same timer: nothing made for the second request
+            started = loop.time()
+            with pytest.raises(RequestTimeout):  # armed again, earlier, for this one's 0.3 s
+                await c.request("POST", server.url, content=b"{}", limit=0.3)
+            assert 0.25 <= loop.time() - started < 1.5 and conn.timer is None  # cut and closed
+            await c.aclose()
+
+    async def longer_later() -> None:
+        async with RawServer(slow({2: 0.6})) as server:
+            c = client()
+            await c.request("POST", server.url, content=b"{}", limit=0.2)  # arms the timer 0.2 s out
+            # it fires while this request runs, finds it due later, and is armed at its 1.5 s
+            assert (await c.request("POST", server.url, content=b"{}", limit=1.5)).status_code == 200
+            assert len(server.requests) == 2 and server.connections == 1
+            await c.aclose()
+
+    run(shorter_later())
+    run(longer_later())

@@ -373,6 +373,19 @@ def test_the_project_readme_embeds_the_current_machine(tmp_path: Path) -> None:
     assert stale_diagrams(out) == [str((tmp_path / "README.md").resolve())]
 
 
+def test_a_users_own_folder_leaves_the_readme_beside_it_alone(tmp_path: Path) -> None:
+    """The README's tour: `diagram --tool-module mytools --out my-diagrams` in a checkout (it drew
+    the user's tool into the project's README)."""
+    from engine.trace.diagrams import README_END, README_START
+
+    readme = f"intro\n{README_START}\nold drawing\n{README_END}\noutro\n"
+    (tmp_path / "README.md").write_text(readme)
+    written = write_diagrams(tmp_path / "my-diagrams", MachineSpec.from_registry(tool_names=("word_count",)), skipped=[])
+    assert (tmp_path / "README.md").read_text() == readme
+    assert {"README.md", "machine.mmd"} <= {p.name for p in written}
+    assert all(p.parent.name == "my-diagrams" for p in written)
+
+
 def test_diagram_draws_a_users_tool_module(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ns = argparse.Namespace(out=str(tmp_path), check=False, tool_modules=["tests.support.plugins.word_count"])
     assert main_diagram(ns) == 0

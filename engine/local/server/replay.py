@@ -14,8 +14,9 @@ Matching rule, applied to the request's input decoded with special tokens kept:
 2. The turn to play is the one after the last of the entry's turns found after the first
    occurrence of the prompt, each looked for after the one found before it. A turn is "found"
    when its text, stripped of surrounding whitespace and of a trailing `<|im_end|>` /
-   `<|endoftext|>`, is there; the stripping lets a client that re-renders past turns through a
-   chat template still match. A turn not found is skipped: a compacted context that no longer
+   `<|endoftext|>`, is there, or its text after a closing `</think>` is; the stripping lets a
+   client that re-renders past turns through a chat template (which may drop their reasoning)
+   still match. A turn not found is skipped: a compacted context that no longer
    holds the oldest turns goes on from the latest it holds.
 3. When the entry's last turn is already present, or no entry matches, the server samples as usual.
 
@@ -34,6 +35,7 @@ from typing import Any
 import attrs
 
 _TURN_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+_REASONING_END = "</think>"
 
 
 def _needle(turn: str) -> str:
@@ -47,6 +49,14 @@ def _needle(turn: str) -> str:
                 text = text[: -len(marker)].rstrip()
                 changed = True
     return text
+
+
+def _needles(turn: str) -> tuple[str, ...]:
+    """What may show that a turn was played: its text, else its text after its reasoning, which a
+    template that drops earlier turns' reasoning (Qwen3's, on a re-rendered history) leaves out."""
+    whole = _needle(turn)
+    _, closed, after = whole.rpartition(_REASONING_END)
+    return (whole, after.strip()) if closed and after.strip() else (whole,)
 
 
 @attrs.frozen
@@ -77,11 +87,12 @@ class ReplayScript:
         pos = best_rank[1]
         done = 0
         for k, turn in enumerate(best.turns):
-            needle = _needle(turn)
-            found = decoded_input.find(needle, pos) if needle else pos
-            if found >= 0:
-                pos = found + len(needle)
-                done = k + 1
+            for needle in _needles(turn):
+                found = decoded_input.find(needle, pos) if needle else pos
+                if found >= 0:
+                    pos = found + len(needle)
+                    done = k + 1
+                    break
         return (best, done) if done < len(best.turns) else None
 
     def turn_text(self, decoded_input: str) -> str | None:
