@@ -52,7 +52,7 @@ def _arguments(text: str) -> Any:
     """Arguments as JSON values, or the text itself when it is not JSON."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's stack: compared as text
         return text
 
 

@@ -79,13 +79,17 @@ class Asked:
 def loads(raw: bytes) -> tuple[Any, bool]:
     """A request body's JSON, and whether orjson read it: only then are its items' texts exact
     (`History`); what only the standard library reads (`NaN`, a number past 64 bits) is read
-    whole and kept nowhere. Raises ValueError (or UnicodeDecodeError) for a body that is not JSON."""
+    whole and kept nowhere. Raises ValueError (or UnicodeDecodeError) for a body that is not JSON,
+    also for one nested past the parser's stack (the standard library's RecursionError)."""
     if _orjson is not None:
         try:
             return _orjson.loads(raw), True
         except ValueError:
             pass
-    return json.loads(raw), False
+    try:
+        return json.loads(raw), False
+    except RecursionError:  # orjson refuses past 1024 levels too; aiohttp answered it with a 500
+        raise ValueError("JSON nested too deep to read") from None
 
 
 @attrs.frozen(eq=False)
@@ -357,6 +361,6 @@ def arguments_object(arguments: str) -> dict[str, Any] | None:
     """A call's arguments as an object, or None when the text is not a JSON object."""
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
         return None
     return value if isinstance(value, dict) else None

@@ -69,8 +69,8 @@ def _as_object(arguments: str) -> Any:
         return {}
     try:
         value = json.loads(arguments)
-    except ValueError:
-        return arguments  # not JSON: the template shows the text as the harness sent it
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser's stack): the template
+        return arguments  # shows the text as the harness sent it
     return value
 
 

@@ -7,7 +7,8 @@ that is not JSON) are retried with exponential backoff and full jitter, or after
 timeout; all attempts and the waits between them, the one in flight included, by the
 retry deadline. A server that drips bytes therefore cannot hold a sample past either.
 Other 4xx are final (a context-length 400 becomes `context_exceeded`), and so is a reply that
-would come again as it is (`ReplyRefused`: past the size cap, a coding the engine does not read);
+would come again as it is (`ReplyRefused`: past the size cap, a coding the engine does not read),
+and an https:// server whose TLS cannot work (`TLSRefused`: an untrusted certificate, a plain server);
 a 3xx is reported as a redirect and not followed. Every failure after a response records its
 status. A server URL that is not an http(s) URL is refused when the client is made.
 
@@ -39,7 +40,7 @@ import httpx
 from engine.aio import Gate, within
 from engine.settings import EngineConfig, RetryPolicy
 from engine.settings.declare import default_of
-from engine.sglang.http1 import LIMIT, AsyncioTransport, BodySource, BodyStream, ReplyRefused
+from engine.sglang.http1 import LIMIT, AsyncioTransport, BodySource, BodyStream, ReplyRefused, TLSRefused
 from engine.sglang.wire import (
     Failure,
     Reply,
@@ -321,7 +322,7 @@ async def exchange(http: HttpPool, url: str, body: bytes | BodySource, headers: 
         response = await http.request("POST", url, content=body, headers=headers, limit=limit)
     except ReplyRefused as exc:  # the same request would get the same reply: not retried
         return Failure("rejected", str(exc), exc.status)
-    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:  # a URL no attempt can reach
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL, TLSRefused) as exc:  # a URL no attempt can reach
         return Failure("rejected", f"{type(exc).__name__}: {exc}")
     except httpx.RequestError as exc:  # connect, read, write, protocol, timeouts
         return _Transient(f"{type(exc).__name__}: {exc}")

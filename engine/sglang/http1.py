@@ -48,6 +48,8 @@ LIMIT = "engine.limit"  # request extension: seconds for the whole exchange, con
 FRAMING = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})  # written by the transport
 INFLATED = frozenset({b"gzip", b"x-gzip", b"deflate"})  # content codings read (zlib); any other is refused
 BARE_LINE_END = "reply head has a line ending in a bare LF or CR, not CRLF"
+# OpenSSL's reasons for a peer that answered the handshake with something that is not TLS
+TLS_MISMATCH = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"})
 
 # A request body made when it is written: nothing need hold a large body while its reply is awaited.
 BodySource = Callable[[], bytes]
@@ -71,6 +73,11 @@ class ReplyTooLarge(ReplyRefused):
         size = (f"declared {declared} bytes" if declared is not None
                 else f"inflates past {limit} bytes" if inflated else f"ran past {limit} bytes")
         super().__init__(f"HTTP {status} reply {size}, over engine_max_reply_bytes={limit}", status)
+
+
+class TLSRefused(httpx.ConnectError):
+    """An https:// server whose TLS cannot work, and would not work on the next attempt either: its
+    certificate is not trusted, or it speaks no TLS (a plain HTTP server answers the handshake)."""
 
 
 class RequestTimeout(httpx.TimeoutException):
@@ -550,6 +557,12 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
             )
         except (asyncio.TimeoutError, TimeoutError):
             raise error from None
+        except ssl.SSLError as exc:
+            if isinstance(exc, ssl.SSLCertVerificationError) or exc.reason in TLS_MISMATCH:
+                raise TLSRefused(f"no TLS with {host}:{port} ({exc.reason or exc}): "
+                                 + ("its certificate is not trusted" if isinstance(exc, ssl.SSLCertVerificationError)
+                                    else "is it a plain http:// server?")) from None
+            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from None
         except OSError as exc:
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from None
         return conn

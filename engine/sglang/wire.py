@@ -107,13 +107,17 @@ _CONTEXT_PATTERNS = re.compile(
 
 # -- JSON -------------------------------------------------------------------------------
 def loads(body: bytes | str) -> Any:
-    """Parse JSON; orjson first, the standard library for what orjson refuses. Raises ValueError."""
+    """Parse JSON; orjson first, the standard library for what orjson refuses. Raises ValueError,
+    also for a body nested deeper than the parser's stack (the standard library's RecursionError)."""
     if _orjson is not None:
         try:
             return _orjson.loads(body)
         except ValueError:  # NaN/Infinity literals, 65-bit integers: legal to json, checked later
             pass
-    return json.loads(body)
+    try:
+        return json.loads(body)
+    except RecursionError:  # orjson refuses past 1024 levels too: a body no SGLang sends
+        raise ValueError("JSON nested too deep to read") from None
 
 
 def dumps(value: Any) -> bytes:
@@ -286,7 +290,7 @@ def error_message(body: bytes | str) -> str:
     """The human message of an error body, in any of SGLang's and the router's shapes."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     try:
-        data = json.loads(text)
+        data = loads(text)
     except ValueError:
         return text.strip()[:500]
     if isinstance(data, dict):

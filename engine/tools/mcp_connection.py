@@ -33,7 +33,6 @@ SHUTDOWN_SECONDS = 2.0  # what a failed call may add to the tool timeout (the pi
 EXIT_SECONDS = 0.25  # after the connection broke: how long the process has to show how it ended
 CLOSE_GRACE = 1.0  # at the end of the run: stdin closed, SIGTERM half-way, then SIGKILL
 CLOSE_SECONDS = CLOSE_GRACE + 2 * REAP_SECONDS  # the most one connection's close may take
-HTTP_TIMEOUT = 30.0  # httpx's connect/write/pool limits for an HTTP server (each call has its own deadline)
 INVALID_PARAMS = -32602  # JSON-RPC: the call's arguments were refused (the model's error, not the server's)
 CONNECTION_CLOSED = -32000  # the SDK's code for a connection that ended under a waiting request
 
@@ -132,13 +131,9 @@ class Life:
         if self.spec.url is not None:
             from mcp.client.streamable_http import streamable_http_client
 
-            headers = self.spec.resolved_headers()
-            client = None
-            if headers:
-                import httpx2  # the SDK's HTTP client: headers travel on a client of its kind
+            from engine.tools import mcp_http  # the SDK's client kind, its replies capped
 
-                client = await stack.enter_async_context(httpx2.AsyncClient(
-                    headers=headers, timeout=httpx2.Timeout(HTTP_TIMEOUT, read=None)))
+            client = await stack.enter_async_context(mcp_http.client(self.spec.resolved_headers()))
             read, write = await stack.enter_async_context(streamable_http_client(self.spec.url, http_client=client))
         else:
             from mcp.client.stdio import get_default_environment

@@ -11,7 +11,9 @@ courtesy cancel ever waits on a server that stopped reading.
 the group, whatever answered); `kill` sends SIGKILL to the group at once and is synchronous, so a
 cancelled call, a closing runtime and the interpreter's exit (an atexit backstop for a loop that
 is never closed) can all use it. A process that leaves the group (a daemon calling setsid)
-escapes, as from any process-group kill.
+escapes, as from any process-group kill. The server's stdout is a pipe the engine opens and
+closes itself: a daemon that escaped with it still open leaves no descriptor (nor a transport)
+behind in the engine, however often the server is started again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import json
 import logging
 import math
 import os
@@ -58,13 +61,39 @@ def exit_text(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
+def unreadable_reply(line: bytes, error: ValueError) -> Any:
+    """A reply to a request (it has the request's id) that the SDK cannot read, as an error reply
+    to that request, so the call fails now, saying why, instead of waiting out its timeout; None
+    for a line that is no reply. The standard library reads what the SDK refuses: a lone
+    surrogate such as "\\udcff" (Python's json.dumps of text read with surrogateescape)."""
+    from mcp.types import PARSE_ERROR, ErrorData, JSONRPCError
+
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or "method" in data or not ("result" in data or "error" in data):
+        return None
+    request = data.get("id")
+    if type(request) not in (int, str):
+        return None
+    why = str(error).splitlines()
+    reason = next((text.strip() for text in why[1:] if text.strip()), why[0] if why else "")
+    reason = reason.split(" [type=")[0]  # pydantic then quotes the line: the server's data, not the reason
+    return JSONRPCError(jsonrpc="2.0", id=request, error=ErrorData(
+        code=PARSE_ERROR, message=f"a reply that is not JSON-RPC the MCP SDK reads ({reason[:200]})"))
+
+
 class ServerProcess:
     """One started stdio server: its process group, and the two streams the SDK's session reads and writes."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, stdout: asyncio.StreamReader,
+                 stdout_pipe: asyncio.BaseTransport) -> None:
         import anyio
 
         self._proc = proc
+        self._stdout = stdout
+        self._stdout_pipe = stdout_pipe
         self.pid = proc.pid  # also the process group's id (a session of its own)
         self.ended = asyncio.Event()  # the server's stdout ended: it exited, or closed it
         self._to_session, self.read_stream = anyio.create_memory_object_stream[Any](0)
@@ -75,14 +104,32 @@ class ServerProcess:
     async def start(cls, argv: tuple[str, ...], env: dict[str, str]) -> ServerProcess:
         """Start the server; raises OSError when it cannot be started."""
         global _atexit_armed
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-            start_new_session=True, limit=LINE_LIMIT)
+        # stdout is a pipe of our own, not asyncio's: asyncio closes its pipe only at EOF, which a
+        # descendant that escaped the group (and kept the write end) never sends
+        read_end, write_end = os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=write_end, env=env, start_new_session=True)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
         _live.add(proc.pid)
         if not _atexit_armed:
             atexit.register(kill_all)
             _atexit_armed = True
-        return cls(proc)
+        stdout = asyncio.StreamReader(limit=LINE_LIMIT)
+        pipe_file = os.fdopen(read_end, "rb", buffering=0)
+        try:
+            pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(stdout), pipe_file)
+        except BaseException:  # cancelled while connecting: nothing may own a server nobody reads
+            _signal_group(proc.pid, signal.SIGKILL)
+            _live.discard(proc.pid)
+            pipe_file.close()
+            raise
+        return cls(proc, stdout, pipe)
 
     @property
     def returncode(self) -> int | None:
@@ -93,11 +140,10 @@ class ServerProcess:
         from mcp.shared.message import SessionMessage
         from mcp.types import jsonrpc_message_adapter
 
-        assert self._proc.stdout is not None
         try:
             while True:
                 try:
-                    line = await self._proc.stdout.readline()
+                    line = await self._stdout.readline()
                 except ValueError:  # a line over LINE_LIMIT: no server to keep talking to
                     log.warning("an MCP server wrote a line over %d bytes; its connection is ended", LINE_LIMIT)
                     self.kill()
@@ -108,9 +154,11 @@ class ServerProcess:
                     continue
                 try:
                     message = jsonrpc_message_adapter.validate_json(line, by_name=False)
-                except ValueError:  # not JSON-RPC (a banner, a stray print): skipped, as a call that
-                    log.debug("an MCP server wrote a line that is not JSON-RPC; skipped")  # waits on it times out
-                    continue
+                except ValueError as exc:
+                    message = unreadable_reply(line, exc)
+                    if message is None:  # not JSON-RPC (a banner, a stray print): skipped
+                        log.debug("an MCP server wrote a line that is not JSON-RPC; skipped")
+                        continue
                 await self._to_session.send(SessionMessage(message))
         except Exception:  # noqa: BLE001 - the session is gone (a closed stream), or the pipe broke: it ends
             return
@@ -149,7 +197,10 @@ class ServerProcess:
                 await self.exited(grace / 2)
         finally:
             self.kill()  # always: a wrapper's children may outlive the server it started
-        await self.exited(REAP_SECONDS)
+        try:
+            await self.exited(REAP_SECONDS)
+        finally:  # also when cancelled: whoever else holds its write end (a daemon that escaped the group)
+            self._stdout_pipe.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.wait(self._tasks, timeout=REAP_SECONDS)

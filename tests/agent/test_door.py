@@ -207,6 +207,27 @@ def test_a_body_that_is_not_json_or_over_the_limit_is_refused_in_the_protocols_s
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_valid_json_nested_past_the_parsers_stack_is_a_400_not_a_500_and_the_session_answers_after(protocol: str) -> None:
+    headers = {"anthropic-version": "2023-06-01", "content-type": "application/json"}
+    deep = b'{"model": "' + MODEL.encode() + b'", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+    async def go() -> tuple[httpx.Response, str, ScriptedSessions]:
+        sessions = ScriptedSessions({"k": [FIRST]})
+        door = await serve(sessions)
+        try:
+            async with httpx.AsyncClient() as http:
+                refused = await http.post(door.session_url("k") + PATHS[protocol], content=deep, headers=headers)
+            return refused, await ask(protocol, door.session_url("k")), sessions
+        finally:
+            await door.aclose()
+
+    refused, after, sessions = asyncio.run(go())
+    assert refused.status_code == 400, refused.text  # before: aiohttp's 500 text, which the SDKs retry
+    assert refused.headers["x-should-retry"] == "false" and "nested too deep" in refused.json()["error"]["message"]
+    assert after == "first answer" and len(sessions.calls["k"]) == 1
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("refusal, status", [
     (CallRefused("invalid_request", "images are not supported by this model's template"), 400),
     (CallRefused("over_budget", "the context has 12 tokens left"), 400),

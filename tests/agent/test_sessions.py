@@ -236,6 +236,7 @@ def test_a_context_spent_by_the_harness_s_results_answers_length():
     ("compact", "json_calls", ["history_compacted"]),
     ("fork", "json_calls", ["history_forked", "history_forked"]),
     ("rewrite", "json_calls", ["turn_rewritten"]),
+    ("rewrite_deep", "json_calls", ["turn_rewritten"]),  # compared as text: a break, never a crash
     ("contradict", "json_calls", ["history_contradicts"]),
 ])
 def test_a_history_that_does_not_extend_starts_a_segment_from_the_history_as_given(variant: str, matcher: str,

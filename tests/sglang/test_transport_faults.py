@@ -13,6 +13,9 @@ import asyncio
 import email.utils
 import gzip
 import json
+import shutil
+import ssl
+import subprocess
 import time
 
 import httpx
@@ -23,7 +26,7 @@ from engine.local.sample import Sample
 from engine.loop.runtime import Runtime
 from engine.settings import EngineConfig, RetryPolicy
 from engine.sglang.client import HttpPool, ServiceClient, ServiceFailed, SGLangClient
-from engine.sglang.wire import Reply
+from engine.sglang.wire import Failure, Reply
 from tests.sglang.loopback import Handler, LoopbackServer, drip, response_bytes, send
 from tests.support.helpers import IM_END, SAMPLING, encode, make_args, reply_body
 
@@ -288,6 +291,23 @@ def test_a_head_with_bare_lf_line_ends_fails_at_once_not_after_the_request_timeo
     assert len(server.generates) == 1 and took < SLACK
 
 
+NESTED = b"[" * 100_000 + b"]" * 100_000  # valid JSON, deeper than any parser's stack
+
+
+@pytest.mark.parametrize("status, kind, reason, posts", [
+    (200, "unavailable", "request_failed", 2),  # a body that is not JSON: retried, then given up
+    (500, "unavailable", "request_failed", 2),
+    (400, "rejected", "request_rejected", 1),   # a refusal: final, its message quoted
+])
+def test_a_reply_nested_past_the_parsers_stack_is_a_failed_request_never_a_crash(
+        status: int, kind: str, reason: str, posts: int) -> None:
+    server = LoopbackServer([send(status, NESTED)], repeat_last=True)
+    s, _ = roll(server, engine_retry_attempts=2, engine_retry_base_delay=0.0)
+    fsm = meta(s)
+    assert fsm["termination_reason"] == reason and fsm["engine_error"].startswith(f"{kind}: "), fsm["engine_error"]
+    assert "RecursionError" not in fsm["engine_error"] and len(server.generates) == posts
+
+
 def test_a_url_without_a_scheme_is_a_setup_error_and_nothing_is_posted() -> None:
     async def go() -> tuple[list[str], int]:
         async with LoopbackServer([send(200, ANSWER)], repeat_last=True) as server:
@@ -307,3 +327,55 @@ def test_a_url_without_a_scheme_is_a_setup_error_and_nothing_is_posted() -> None
 
     refused, posts = asyncio.run(go())
     assert posts == 0 and "(http://127.0.0.1:" in refused[0] and "(http:" not in refused[2]
+
+
+async def _answer_400_to_anything(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A plain HTTP server's answer to a TLS handshake: a 400, then the close."""
+    await reader.read(1)
+    writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
+def _self_signed(tmp_path) -> ssl.SSLContext:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificate to make")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+@pytest.mark.parametrize("server", ["plain", "self_signed"])
+def test_an_https_url_whose_tls_cannot_work_is_refused_at_once_not_retried(server: str, tmp_path) -> None:
+    tls = _self_signed(tmp_path) if server == "self_signed" else None
+    connections = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        if tls is None:
+            await _answer_400_to_anything(reader, writer)
+            return
+        try:  # TLS after the accept, so that every connection is counted
+            await writer.start_tls(tls)
+        except (ssl.SSLError, ConnectionError):  # the client refused the certificate
+            writer.close()
+
+    async def go() -> Reply | Failure:
+        listening = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"https://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+        client = SGLangClient(url, HttpPool(4, httpx.Timeout(5.0)), RetryPolicy(max_attempts=6, base_delay=0.01),
+                              request_timeout=5.0, vocab_size=1000)
+        try:
+            return await client.generate([1, 2, 3], dict(SAMPLING), 8)
+        finally:
+            await client.http.aclose()
+            listening.close()
+
+    outcome = asyncio.run(go())
+    assert isinstance(outcome, Failure) and outcome.kind == "rejected", outcome  # before: 6 attempts, "unavailable"
+    why = "is it a plain http:// server?" if server == "plain" else "its certificate is not trusted"
+    assert outcome.message.startswith("TLSRefused: no TLS with 127.0.0.1:") and why in outcome.message
+    assert len(connections) == 2  # the model-info probe's and the one POST's (before: 1 + 6)

@@ -96,8 +96,8 @@ async def tool_task(sessions: Any, key: str, *, variant: str = "verbatim", max_t
     `variant`: "verbatim" (history as sent back by an SDK), "drop_reasoning" (no reasoning echoed),
     "compact" (after the second turn the history becomes the system prompt and a summary),
     "fork" (after the first turn a sub-agent call with its own system prompt, then the main
-    history again), "rewrite" (the first call's arguments changed in the history), "contradict"
-    (a result for a call never made).
+    history again), "rewrite" (the first call's arguments changed in the history; "rewrite_deep":
+    to JSON nested deeper than the parser's stack), "contradict" (a result for a call never made).
     """
     history = [Message("system", SYSTEM), Message("user", "Add the numbers 0 to 5 with the tool.")]
     got: list[Any] = []
@@ -114,10 +114,11 @@ async def tool_task(sessions: Any, key: str, *, variant: str = "verbatim", max_t
             history.append(Message("tool", str(args["a"] + args["b"]), call_id=result_id))
         if variant == "compact" and step == 1:
             history = [history[0], Message("user", "Summary so far: the steps gave 1 and 5. Go on adding.")]
-        if variant == "rewrite" and step == 1:
+        if variant in ("rewrite", "rewrite_deep") and step == 1:
             first = history[2]
+            rewritten = '{"a": 100, "b": 1}' if variant == "rewrite" else '{"a":' * 1500 + "1" + "}" * 1500
             history[2] = Message("assistant", first.content, reasoning=first.reasoning,
-                                 calls=tuple(CallMade(c.id, c.name, '{"a": 100, "b": 1}') for c in first.calls))
+                                 calls=tuple(CallMade(c.id, c.name, rewritten) for c in first.calls))
         if variant == "fork" and step == 0:
             sub = await sessions.call(key, ModelCall((Message("system", "You are a sub-agent."),
                                                       Message("user", "Check: add 0 and 1.")), TOOLS, sampling))

@@ -1,16 +1,18 @@
 """A small MCP server written with the SDK, for the tests.
 
-    python mcp_server.py [--http PORT [--token-env NAME]] [--pidfile F] [--prefix P] [--ignore-term] [--tag T]
+    python mcp_server.py [--http PORT [--token-env NAME]] [--pidfile F] [--prefix P] [--ignore-term] [--tag T] [--daemon]
 
 Tools: `add` (sum two integers), `slow_echo` (answers after a while; writes the server's pid
 to `--pidfile` first, so a test can kill or stop it mid-call), `freeze` (writes it too, then blocks
 the server's whole event loop: it answers nothing more, a ping included), `crash` (the server exits with
-status 3 mid-call), `fail` (the tool's own error: an `isError` result), `key_length` (the
+status 3 mid-call), `fail` (the tool's own error: an `isError` result), `big` (a text of so many MiB), `key_length` (the
 length of the API_KEY it was given, never the key) and `Not-A-State` (a name that cannot be a
 state). The SDK refuses to list an invalid input schema; `raw_mcp_server.py` lists some.
 `--prefix` renames the tools, so two servers can be told apart; `--ignore-term` makes it ignore
 SIGTERM (a hung server that only SIGKILL ends); `--tag` only marks its command line, so a test
-can find every process it left. Over HTTP, `--token-env NAME` refuses (401) every request
+can find every process it left; `--json-response` answers each HTTP request with one JSON body, not an event stream;
+`--daemon` starts a process that leaves the server's process
+group (a session of its own) holding the server's stdout, marked `escaped-<tag>`. Over HTTP, `--token-env NAME` refuses (401) every request
 without `Authorization: Bearer <the value of NAME>`.
 """
 
@@ -62,6 +64,10 @@ def build(prefix: str, pidfile: str | None) -> MCPServer:
     def key_length() -> str:
         return str(len(os.environ.get("API_KEY", "")))
 
+    @server.tool(name=f"{prefix}big", description="A text of so many MiB.")
+    def big(mib: int) -> str:
+        return "y" * (mib << 20)
+
     @server.tool(name="Not-A-State", description="A name that cannot be a state.")
     def not_a_state() -> str:
         return ""
@@ -91,7 +97,15 @@ if __name__ == "__main__":
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--token-env", default=None)
+    parser.add_argument("--daemon", action="store_true")
+    parser.add_argument("--json-response", action="store_true")
     ns = parser.parse_args()
+    if ns.daemon:
+        import subprocess
+        import sys
+
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"escaped-{ns.tag}"],
+                         start_new_session=True, stdin=subprocess.DEVNULL)
     if ns.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     server = build(ns.prefix, ns.pidfile)
@@ -101,6 +115,6 @@ if __name__ == "__main__":
         uvicorn.run(guarded(server.streamable_http_app(), os.environ[ns.token_env]), host="127.0.0.1", port=ns.http,
                     log_level="warning")
     elif ns.http is not None:
-        server.run("streamable-http", host="127.0.0.1", port=ns.http)
+        server.run("streamable-http", host="127.0.0.1", port=ns.http, json_response=ns.json_response)
     else:
         server.run()

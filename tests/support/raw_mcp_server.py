@@ -1,6 +1,7 @@
 """An MCP server over stdio written by hand (JSON-RPC lines), for what the SDK's own server refuses
 to send: it lists `ok_echo` (a valid tool) beside `bad_properties` and `bad_type`, whose input
-schemas are not JSON object schemas."""
+schemas are not JSON object schemas. With `--surrogate` its calls answer text read from bytes with
+surrogateescape, which json.dumps writes as a lone surrogate ("\\udcff") the SDK cannot read."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def answer(request: dict) -> dict | None:
     elif method == "tools/list":
         result = {"tools": TOOLS}
     elif method == "tools/call":
-        result = {"content": [{"type": "text", "text": "echo: " + str(params.get("arguments", {}).get("text"))}],
-                  "isError": False}
+        text = "echo: " + str(params.get("arguments", {}).get("text"))
+        if "--surrogate" in sys.argv:
+            text = b"a file's \xff byte".decode("utf-8", "surrogateescape")
+        result = {"content": [{"type": "text", "text": text}], "isError": False}
     else:
         return {"jsonrpc": "2.0", "id": request["id"], "error": {"code": -32601, "message": f"no method {method}"}}
     return {"jsonrpc": "2.0", "id": request["id"], "result": result}

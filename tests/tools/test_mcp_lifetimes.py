@@ -29,7 +29,8 @@ from engine.loop.driver import drive, new_rollout  # noqa: E402
 from engine.loop.runtime import Runtime  # noqa: E402
 from engine.machine.rollout import Rollout  # noqa: E402
 from engine.tools import mcp_servers  # noqa: E402
-from engine.tools.mcp_connection import SHUTDOWN_SECONDS  # noqa: E402
+from engine.tools.mcp_connection import SHUTDOWN_SECONDS, Connection  # noqa: E402
+from engine.tools.mcp_spec import ServerSpec  # noqa: E402
 from tests.conftest import run  # noqa: E402
 from tests.support.helpers import SAMPLING, URL, tok, turn  # noqa: E402
 
@@ -195,6 +196,31 @@ def test_ctrl_c_of_a_run_waiting_on_a_hung_server_is_answered_at_once(tmp_path, 
     assert "interrupted" in printed
     assert answered < 2.0, f"Ctrl-C took {answered:.2f} s"
     assert tagged(tag) == []
+
+
+def test_a_daemon_that_escapes_the_group_holding_stdout_leaves_no_descriptor_in_the_engine(tag):
+    """A setsid daemon cannot be held by a process-group kill (docs/mcp.md says so); what the engine
+    can hold is itself: each start of the server costs no descriptor once that start has ended."""
+    spec = ServerSpec.parse({"command": [sys.executable, str(SERVER_PY), "--daemon", "--tag", tag]})
+
+    async def starts(n: int) -> list[int]:
+        held = []
+        for _ in range(n):
+            conn = Connection(spec)
+            result = await conn.call("add", {"a": 1, "b": 2}, 60)
+            assert result.content[0].text == "3"
+            await conn.close()
+            held.append(len(os.listdir("/proc/self/fd")))
+        return held
+
+    try:
+        held = run(starts(4))
+        escaped = [pid for pid in tagged(tag) if b"escaped-" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(escaped) == 4 and sorted(escaped) == sorted(tagged(tag))  # the servers are gone, their daemons not
+        assert held[-1] == held[0], held  # before: one more pipe (and its transport) per start
+    finally:
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
 
 
 ATEXIT_SCRIPT = """

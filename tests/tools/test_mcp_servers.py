@@ -191,6 +191,33 @@ def test_a_crashing_server_says_how_it_ended():
     assert r.record.error == "tool crash cannot work: MCP server 'engine-test' exited with status 3"
 
 
+def test_a_reply_the_sdk_cannot_read_fails_the_call_at_once_saying_so_not_at_its_timeout():
+    r, server = rollout([turn(call("ok_echo", text="hi")), turn("Never asked.")], (f"{RAW_SERVER} --surrogate",),
+                        tools=("ok_echo",), tool_timeout=30)
+    assert (r.state, r.record.reason) == ("FAILED", "tool_unavailable")
+    assert r.record.error.startswith("tool ok_echo cannot work: MCP server 'raw' answered error -32700: a reply that "
+                                     "is not JSON-RPC the MCP SDK reads (Invalid JSON: lone "), r.record.error
+    assert "surrogate" in r.record.error and "input_value" not in r.record.error  # the reason, not the reply's data
+    assert r.record.tools.seconds < 10  # before: "did not answer within 30 seconds", after all 30
+    assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize("line, answers", [
+    (b'{"jsonrpc": "2.0", "id": 7, "result": {"t": "\\udcff"}}', 7),
+    (b'{"jsonrpc": "2.0", "id": "r-1", "error": {"code": 1, "message": "\\ud800"}}', "r-1"),
+    (b'{"jsonrpc": "2.0", "id": 7, "method": "x", "params": {"t": "\\udcff"}}', None),  # a request, not a reply
+    (b'{"jsonrpc": "2.0", "id": null, "result": {"t": "\\udcff"}}', None),
+    (b"Starting server v1.0 ...", None),  # a banner: skipped, as before
+    (b'{"jsonrpc": "2.0", "id": 7, "result": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # no reader reads it
+])
+def test_only_a_reply_to_a_request_becomes_an_error_reply(line: bytes, answers: Any):
+    from engine.tools.mcp_stdio import unreadable_reply
+
+    made = unreadable_reply(line, ValueError("1 validation error\n  Invalid JSON: why [type=json_invalid, input_value=x]"))
+    assert (made.id if made is not None else None) == answers
+    assert made is None or made.error.message == "a reply that is not JSON-RPC the MCP SDK reads (Invalid JSON: why)"
+
+
 def test_an_invalid_schema_or_name_skips_that_tool_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="engine.tools.mcp_servers"):
         names = mcp_servers.register_servers((RAW_SERVER, SERVER), 30, 30)
@@ -263,6 +290,18 @@ def test_the_model_calls_a_tool_of_a_streamable_http_server(http_server):
     assert r.state == "COMPLETED"
     assert "<tool_response>\n42\n</tool_response>" in observations(r)[0]
     assert ("TOOL_CALL", "dispatch", "TOOL_H_ADD") in [tuple(e) for e in r.record.trace]
+
+
+def test_an_http_servers_json_reply_past_the_message_cap_ends_the_call_at_once_unread():
+    """The SDK reads a JSON reply whole, unbounded (its event streams stop at 1 MiB an event): 400 MB
+    held the engine at 2 GB. Past LINE_LIMIT (16 MiB) the reply is not read further."""
+    script = [turn(call("h_big", mib=40)), turn("Never asked.")]
+    with http_mcp_server("--prefix", "h_", "--json-response") as url:
+        r, server = rollout(script, (url,), tools=("h_big",), tool_timeout=60)
+    assert (r.state, r.record.reason) == ("FAILED", "tool_unavailable")
+    assert "runs past 16777216 bytes" in r.record.error, r.record.error
+    assert r.record.tools.seconds < 20  # it was read whole (and parsed, on the event loop) first
+    assert len(server.requests) == 1 and observations(r) == []
 
 
 def test_an_http_server_that_went_down_ends_the_sample_untrained(http_server):
