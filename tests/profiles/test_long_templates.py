@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 import respx
 
@@ -18,7 +17,7 @@ from engine.local.sample import Sample
 from engine.profiles.chat import ChatProfile, turn_end
 from engine.profiles.tokenizer import load_tokenizer, offline_tokenizer_dir
 from tests.conftest import run
-from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args
+from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, profile_turn
 
 FAMILIES = ("qwen-3", "qwen-3.5", "glm-4.7-flash")
 PROMPT = "What is 1 + 2? Check with the tool."
@@ -46,15 +45,6 @@ def assistant(reasoning: str, content: str, code: str | None = None) -> dict[str
 
 def rendered(tok: Any, messages: list[dict[str, Any]], schema: dict[str, Any], prompt: bool) -> str:
     return tok.apply_chat_template(messages, tools=[schema], tokenize=False, add_generation_prompt=prompt)
-
-
-def reply(profile: ChatProfile, text: str) -> httpx.Response:
-    ids = profile.encode(text) + [profile.closer_id if profile.closer_id is not None else profile.eos_id]
-    meta = {"id": "rid", "finish_reason": {"type": "stop", "matched": ids[-1]}, "prompt_tokens": 10,
-            "weight_version": "default", "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": 0.01,
-            "input_token_logprobs": [], "output_token_logprobs": [[-0.25, i, None] for i in ids],
-            "output_token_logprobs_length": len(ids)}
-    return httpx.Response(200, json={"text": text, "output_ids": ids, "meta_info": meta})
 
 
 @pytest.fixture
@@ -90,7 +80,7 @@ def test_each_turn_s_prompt_is_the_template_s_own_render(model: str, fake_interp
     assert profile.earlier_reasoning() == "until_user"  # learnt from the template itself
     schema = tools.get("code_interpreter").schema()  # type: ignore[union-attr]
     before, texts = conversation(tok, profile, schema)
-    server = ScriptedServer([reply(profile, t) for t in texts])
+    server = ScriptedServer([profile_turn(profile, t) for t in texts])
     sample = Sample(index=1, prompt=PROMPT, label="3")
     args = make_args(hf_checkpoint=offline_tokenizer_dir(model), engine_profile="chat", engine_tools=["code_interpreter"],
                      engine_environment="go_on_test")
@@ -120,7 +110,7 @@ def test_keep_is_one_sequence_whatever_the_template_drops(fake_interpreter: Any,
     profile = ChatProfile(tok)
     schema = tools.get("code_interpreter").schema()  # type: ignore[union-attr]
     _, texts = conversation(tok, profile, schema)
-    server = ScriptedServer([reply(profile, t) for t in texts])
+    server = ScriptedServer([profile_turn(profile, t) for t in texts])
     sample = Sample(index=1, prompt=PROMPT, label="3")
     args = make_args(hf_checkpoint=offline_tokenizer_dir("qwen-3.5"), engine_profile="chat", engine_tools=["code_interpreter"],
                      engine_environment="go_on_test", engine_earlier_reasoning="keep")

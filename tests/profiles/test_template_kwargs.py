@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 import respx
 
@@ -20,7 +19,7 @@ from engine.profiles.tokenizer import load_tokenizer, offline_tokenizer_dir
 from engine.settings import SettingsError
 from engine.settings.core import EngineConfig
 from tests.conftest import run
-from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args
+from tests.support.helpers import SAMPLING, URL, ScriptedServer, make_args, profile_turn
 
 FAMILIES = ("qwen-3", "qwen-3.5", "glm-4.7-flash")
 OFF = {"enable_thinking": False}
@@ -57,17 +56,8 @@ def empty_blocks_out(profile: ChatProfile, text: str) -> str:
     return text.replace("<think>\n\n</think>\n\n", "").replace("<think></think>", "").replace("</think>", "")
 
 
-def reply(profile: ChatProfile, text: str) -> httpx.Response:
-    ids = profile.encode(text) + [profile.closer_id if profile.closer_id is not None else profile.eos_id]
-    meta = {"id": "rid", "finish_reason": {"type": "stop", "matched": ids[-1]}, "prompt_tokens": 10,
-            "weight_version": "default", "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": 0.01,
-            "input_token_logprobs": [], "output_token_logprobs": [[-0.25, i, None] for i in ids],
-            "output_token_logprobs_length": len(ids)}
-    return httpx.Response(200, json={"text": text, "output_ids": ids, "meta_info": meta})
-
-
 def roll_out(model: str, texts: list[str], profile: ChatProfile, **settings: Any) -> tuple[Any, ScriptedServer]:
-    server = ScriptedServer([reply(profile, t) for t in texts])
+    server = ScriptedServer([profile_turn(profile, t) for t in texts])
     sample = Sample(index=1, prompt=PROMPT, label="3")
     args = make_args(hf_checkpoint=offline_tokenizer_dir(model), engine_profile="chat", engine_tools=["code_interpreter"],
                      **settings)

@@ -77,6 +77,17 @@ def turn(text: str, *, finish: str = "stop", eos: bool = True, **kw: Any) -> htt
     return httpx.Response(200, json=reply_body(ids, finish=finish, **kw))
 
 
+def profile_turn(profile: Any, text: str) -> httpx.Response:
+    """A reply whose tokens are `text` in `profile`'s tokenizer, closed by the token that ends its
+    template's turn (the closer, else the EOS), with fixed logprobs."""
+    ids = profile.encode(text) + [profile.closer_id if profile.closer_id is not None else profile.eos_id]
+    meta = {"id": "rid", "finish_reason": {"type": "stop", "matched": ids[-1]}, "prompt_tokens": 10,
+            "weight_version": "default", "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": 0.01,
+            "input_token_logprobs": [], "output_token_logprobs": [[-0.25, i, None] for i in ids],
+            "output_token_logprobs_length": len(ids)}
+    return httpx.Response(200, json={"text": text, "output_ids": ids, "meta_info": meta})
+
+
 Scripted = httpx.Response | Exception | Callable[[dict[str, Any]], httpx.Response]
 
 
