@@ -37,6 +37,7 @@ import uuid
 from typing import Any, Literal
 
 from engine import tools
+from engine.logs import warn_once
 from engine.profiles import parsers
 from engine.profiles.base import CallResult, ToolCall, Turn, TurnReading
 from engine.profiles.retool import ANSWER_RE, parse_tool_call_json
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 _SENTINEL = "@@assistant-turn-sentinel@@"
 _USER_SLOT = "@@user-turn-slot@@"
 _RESULT_SLOT = "@@tool-result-slot@@"
-_WARNED: set[tuple[str, str]] = set()
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -106,9 +106,8 @@ class ChatProfile:
         # Every token that closes a turn with calls: the template's, and the family's others the vocabulary holds.
         self.closer_ids = frozenset({self.closer_id} if self.closer_id is not None else ()) | self._turn_end_ids()
         self.drift = template_drift(self)
-        if self.drift is not None and (self.tool_parser, self.drift) not in _WARNED:  # once per process, not per profile
-            _WARNED.add((self.tool_parser, self.drift))
-            log.warning("chat template check (parser %s): %s", self.tool_parser, self.drift)
+        if self.drift is not None:  # once per process, not per profile
+            warn_once(f"chat template check (parser {self.tool_parser}): {self.drift}", log)
 
     def render(self, messages: list[dict[str, Any]], **options: Any) -> str:
         """The chat template's text for `messages` (`tools`, `add_generation_prompt` in `options`),

@@ -8,6 +8,8 @@ import logging
 import pytest
 import respx
 
+import engine.logs
+
 from engine.settings import EngineConfig, RetryPolicy
 from engine.loop.driver import drive, new_rollout
 from engine.profiles.chat import ChatProfile, full_render_ids, incremental_ids, parse_hermes_turn
@@ -104,6 +106,7 @@ class HistoryRewritingTokenizer:
 
 
 def test_drift_check_reports_a_template_that_rewrites_history(caplog):
+    engine.logs.forget()  # said once per process: another test's profile may have said it
     with caplog.at_level(logging.WARNING, logger="engine.profiles.chat"):
         profile = ChatProfile(HistoryRewritingTokenizer(tok()))
     assert profile.drift is not None and "token" in profile.drift  # seen at start-up

@@ -172,8 +172,9 @@ def test_partial_rollout_with_samples_that_fan_out_is_engine_setup_failed(settin
 def test_with_partial_rollout_a_template_that_drops_reasoning_keeps_one_sequence(caplog):
     """Qwen3's template drops earlier reasoning once a user turn follows; with partial rollout the
     samples cannot fan out, so each stays one sequence (as engine_earlier_reasoning: keep), said once."""
-    from engine import envs
+    from engine import envs, logs
 
+    logs.forget()  # said once per process: an earlier test may have said it
     class Again(envs.Environment):
         name = "again_test"
 

@@ -187,7 +187,11 @@ def test_ctrl_c_of_a_run_waiting_on_a_hung_server_is_answered_at_once(tmp_path, 
         time.sleep(0.5)  # the call is in flight, the server frozen
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        printed, _ = proc.communicate(timeout=60)
+        try:
+            printed, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say what the run was doing, not only that it hung
+            proc.send_signal(signal.SIGKILL)
+            raise AssertionError(f"the run did not stop within 60 s of Ctrl-C; it printed: {proc.communicate()[0][-3000:]}") from None
         answered = time.monotonic() - sent
     finally:
         if proc.poll() is None:
