@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import textwrap
 from typing import Any
 
 import attrs
 
+from engine.logs import log_once
 from engine.tools.mcp_spec import MissingVariable, ServerSpec
 from engine.tools.mcp_stdio import REAP_SECONDS, ServerProcess, exit_text
 from engine.tools.registry import ToolError
@@ -105,7 +107,9 @@ class Life:
             if not self.ready.done():
                 if self.process is not None and isinstance(exc, Exception):
                     await self.process.exited(EXIT_SECONDS)  # to say how it ended, when it did
-                self.ready.set_exception(self._start_failure(exc, start_seconds))
+                failure = self._start_failure(exc, start_seconds)
+                self.tell_its_account(failure.reason)
+                self.ready.set_exception(failure)
                 self.ready.exception()  # retrieved: nobody may be waiting any more
             else:
                 log.debug("MCP server %r: closing its session: %s", self.name, _why(exc))
@@ -139,7 +143,7 @@ class Life:
             from mcp.client.stdio import get_default_environment
 
             env = get_default_environment() | self.spec.resolved_env()
-            self.process = await ServerProcess.start(self.spec.command, env)
+            self.process = await ServerProcess.start(self.spec.command, env, name=self.name, redact=self.spec.redact)
             stack.push_async_callback(self.process.stop, CLOSE_GRACE)
             read, write = self.process.read_stream, self.process.write_stream
         if self.tap is not None:
@@ -162,6 +166,14 @@ class Life:
     def name(self) -> str:
         """How messages name the server: its entry's name, else the name it gave itself."""
         return self.spec.name or self.server_name or self.spec.where
+
+    def tell_its_account(self, what: str) -> None:
+        """Log, once per text, what went wrong and the last lines of the server's stderr (its own
+        account of it, secrets masked): the engine's log only, never the model's context."""
+        tail = self.process.errors.tail() if self.process is not None else ""
+        if tail:
+            log_once(f"MCP server {self.name!r} {what}; the last of its stderr:\n{textwrap.indent(tail, '    ')}",
+                     logger=log)
 
     def status(self, fallback: str) -> str:
         """How the server's process ended, when it did; `fallback` otherwise."""
@@ -266,7 +278,9 @@ class Connection:
         if life.process is not None:
             await life.process.exited(EXIT_SECONDS)  # to say how it ended, when it did
         life.kill()  # the connection broke: the next call starts the server again
-        return ServerFailure("server_error", self.spec.redact(life.status(f"stopped answering ({_why(leaf)})")))
+        failure = ServerFailure("server_error", self.spec.redact(life.status(f"stopped answering ({_why(leaf)})")))
+        life.tell_its_account(failure.reason)
+        return failure
 
     async def list_tools(self, seconds: float) -> Listing:
         """Start the server and list its tools (every page), within `seconds`; raises `ServerFailure`.

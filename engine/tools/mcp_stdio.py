@@ -14,6 +14,11 @@ is never closed) can all use it. A process that leaves the group (a daemon calli
 escapes, as from any process-group kill. The server's stdout is a pipe the engine opens and
 closes itself: a daemon that escaped with it still open leaves no descriptor (nor a transport)
 behind in the engine, however often the server is started again.
+
+Its stderr, where MCP servers log, is a pipe of the engine's too (`ErrorLog`): each line goes to
+this module's log at INFO, its secrets masked, up to STDERR_LOG_LIMIT bytes a start (a server
+that floods it costs a counter, not the job's log), and its last lines are kept, to be logged
+with the failure when the server dies or cannot start.
 """
 
 from __future__ import annotations
@@ -26,11 +31,15 @@ import logging
 import math
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
 LINE_LIMIT = 16 << 20  # bytes of one message line; a longer one ends the connection
 REAP_SECONDS = 0.5  # how long a killed server has to be reaped before it is left to init
+STDERR_LOG_LIMIT = 64 << 10  # bytes of a server's stderr logged per start; past it they are only counted
+STDERR_TAIL = 2 << 10  # bytes of the end of its stderr kept, for the line that says how it ended
+STDERR_LINE = 1000  # characters of one stderr line logged; the rest of a longer line is dropped
 _POLL_SECONDS = 0.02
 
 _live: set[int] = set()  # process groups started and not yet killed (the atexit backstop's list)
@@ -84,16 +93,61 @@ def unreadable_reply(line: bytes, error: ValueError) -> Any:
         code=PARSE_ERROR, message=f"a reply that is not JSON-RPC the MCP SDK reads ({reason[:200]})"))
 
 
+class ErrorLog(asyncio.Protocol):
+    """A server's stderr, read as it comes: lines logged at INFO with its secrets masked (`redact`),
+    up to STDERR_LOG_LIMIT bytes, then counted only; its last STDERR_TAIL bytes kept (`tail`)."""
+
+    def __init__(self, name: str, redact: Callable[[str], str]) -> None:
+        self.name, self.redact = name, redact
+        self.total = 0
+        self._pending = b""  # the start of a line not yet ended
+        self._skipping = False  # inside a line longer than STDERR_LINE bytes: its rest is dropped
+        self._tail = b""
+
+    def data_received(self, data: bytes) -> None:
+        """Keep the tail; log the lines that ended, while under the limit."""
+        if self.total < STDERR_LOG_LIMIT:
+            self._take(data[:STDERR_LOG_LIMIT - self.total])
+            if self.total + len(data) > STDERR_LOG_LIMIT:
+                log.info("MCP server %r: its stderr past %d KiB is not logged", self.name, STDERR_LOG_LIMIT >> 10)
+        self.total += len(data)
+        self._tail = (self._tail + data)[-STDERR_TAIL:]
+
+    def _take(self, data: bytes) -> None:
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        for line in lines:
+            if not self._skipping:
+                self._log(line)
+            self._skipping = False
+        if len(self._pending) > 4 * STDERR_LINE:  # a line without end: its start is logged, the rest dropped
+            if not self._skipping:
+                self._log(self._pending)
+            self._pending, self._skipping = b"", True
+
+    def _log(self, line: bytes) -> None:
+        text = self.redact(line.decode("utf-8", errors="replace")).rstrip()
+        if text:
+            log.info("MCP server %r: %s", self.name, text[:STDERR_LINE])
+
+    def tail(self) -> str:
+        """The last whole lines of what the server wrote to stderr (secrets masked), '' for none."""
+        kept = self._tail
+        if self.total > len(kept) and b"\n" in kept:  # cut: start at a whole line
+            kept = kept.split(b"\n", 1)[1]
+        return self.redact(kept.decode("utf-8", errors="replace")).strip()
+
+
 class ServerProcess:
     """One started stdio server: its process group, and the two streams the SDK's session reads and writes."""
 
     def __init__(self, proc: asyncio.subprocess.Process, stdout: asyncio.StreamReader,
-                 stdout_pipe: asyncio.BaseTransport) -> None:
+                 pipes: list[asyncio.BaseTransport], errors: ErrorLog) -> None:
         import anyio
 
         self._proc = proc
         self._stdout = stdout
-        self._stdout_pipe = stdout_pipe
+        self._pipes = pipes  # stdout's and stderr's: closed by `stop`
+        self.errors = errors
         self.pid = proc.pid  # also the process group's id (a session of its own)
         self.ended = asyncio.Event()  # the server's stdout ended: it exited, or closed it
         self._to_session, self.read_stream = anyio.create_memory_object_stream[Any](0)
@@ -101,35 +155,47 @@ class ServerProcess:
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._write())]
 
     @classmethod
-    async def start(cls, argv: tuple[str, ...], env: dict[str, str]) -> ServerProcess:
-        """Start the server; raises OSError when it cannot be started."""
+    async def start(cls, argv: tuple[str, ...], env: dict[str, str], *, name: str = "",
+                    redact: Callable[[str], str] = str) -> ServerProcess:
+        """Start the server; raises OSError when it cannot be started. `name` and `redact` are
+        how its stderr's log lines name it and mask its secrets."""
         global _atexit_armed
-        # stdout is a pipe of our own, not asyncio's: asyncio closes its pipe only at EOF, which a
-        # descendant that escaped the group (and kept the write end) never sends
-        read_end, write_end = os.pipe()
+        # stdout and stderr are pipes of our own, not asyncio's: asyncio closes its pipes only at
+        # EOF, which a descendant that escaped the group (and kept the write ends) never sends
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=write_end, env=env, start_new_session=True)
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=out_write, stderr=err_write, env=env,
+                start_new_session=True)
         except BaseException:
-            os.close(read_end)
+            os.close(out_read)
+            os.close(err_read)
             raise
         finally:
-            os.close(write_end)
+            os.close(out_write)
+            os.close(err_write)
         _live.add(proc.pid)
         if not _atexit_armed:
             atexit.register(kill_all)
             _atexit_armed = True
         stdout = asyncio.StreamReader(limit=LINE_LIMIT)
-        pipe_file = os.fdopen(read_end, "rb", buffering=0)
+        errors = ErrorLog(name, redact)
+        files = [os.fdopen(out_read, "rb", buffering=0), os.fdopen(err_read, "rb", buffering=0)]
+        pipes: list[asyncio.BaseTransport] = []
+        loop = asyncio.get_running_loop()
         try:
-            pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
-                lambda: asyncio.StreamReaderProtocol(stdout), pipe_file)
+            pipes.append((await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), files[0]))[0])
+            pipes.append((await loop.connect_read_pipe(lambda: errors, files[1]))[0])
         except BaseException:  # cancelled while connecting: nothing may own a server nobody reads
             _signal_group(proc.pid, signal.SIGKILL)
             _live.discard(proc.pid)
-            pipe_file.close()
+            for pipe in pipes:
+                pipe.close()
+            for file in files[len(pipes):]:
+                file.close()
             raise
-        return cls(proc, stdout, pipe)
+        return cls(proc, stdout, pipes, errors)
 
     @property
     def returncode(self) -> int | None:
@@ -199,8 +265,9 @@ class ServerProcess:
             self.kill()  # always: a wrapper's children may outlive the server it started
         try:
             await self.exited(REAP_SECONDS)
-        finally:  # also when cancelled: whoever else holds its write end (a daemon that escaped the group)
-            self._stdout_pipe.close()
+        finally:  # also when cancelled: whoever else holds the write ends (a daemon that escaped the group)
+            for pipe in self._pipes:
+                pipe.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.wait(self._tasks, timeout=REAP_SECONDS)
