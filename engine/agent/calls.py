@@ -75,7 +75,8 @@ class ModelCall:
     `x-stainless-retry-count` > 0, with a digest of the body): it is answered with that request's
     answer, never a second turn. `protocol` names the door it came through, for records and errors.
     `tool_choice` is what the harness asked of the tools (the door checked that a named tool is
-    offered; nothing enforces it on the sampled turn). Call ids in `messages` are the session's own:
+    offered; nothing enforces it on the sampled turn). `template_kwargs`: a chat request's own
+    `chat_template_kwargs`, served only when they render as the job's do. Call ids in `messages` are the session's own:
     the door writes a session id `X` as the protocol's `call_X` / `toolu_X` and strips that prefix
     from the ids a harness sends back.
     """
@@ -88,6 +89,7 @@ class ModelCall:
     retry_of: str | None = None
     digest: str = ""  # a digest of the request body: what a retry must repeat
     tool_choice: str = "auto"  # "auto", "none", "required", or the name of the one tool the harness asked for
+    template_kwargs: dict[str, Any] | None = None  # the chat template's variables the request named (SGLang's extension)
 
 
 @attrs.frozen

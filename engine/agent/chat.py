@@ -3,7 +3,9 @@
 Accepted: system / developer, user (text and `image_url` parts), assistant (text, `tool_calls`,
 `reasoning_content`) and tool messages; function tools; `tool_choice`; `max_tokens` /
 `max_completion_tokens`, `temperature`, `top_p`, `stop`, the penalties, `seed` (and SGLang's
-`top_k`, `min_p`, `repetition_penalty`); `stream` with `stream_options.include_usage`.
+`top_k`, `min_p`, `repetition_penalty`); `stream` with `stream_options.include_usage`;
+`chat_template_kwargs` (SGLang's and vLLM's), when they render the prompt as the job's
+`apply_chat_template_kwargs` do (the session refuses others: 400).
 Refused (400): audio and file parts, the deprecated `functions` / `function_call`, custom tools,
 `n` other than 1, `logprobs`, a `response_format` other than text. The OpenAI error shape is
 here too; the Responses module answers errors and `/v1/models` the same way.
@@ -64,6 +66,8 @@ def read(body: Any, last: shapes.History | None = None) -> Asked:
         protocol="chat",
         model=model or "",
         tool_choice=shapes.openai_tool_choice(body.get("tool_choice"), tools, nested=True),
+        template_kwargs=None if body.get("chat_template_kwargs") is None else dict(
+            shapes.obj(body["chat_template_kwargs"], "chat_template_kwargs")),
     )
     stream = shapes.flag(body, "stream", "")
     options = body.get("stream_options")

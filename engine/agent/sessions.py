@@ -23,6 +23,7 @@ What the door is promised:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import uuid
@@ -317,7 +318,30 @@ class AgentSessions:
         if call.model and call.model not in self.names and ANY_MODEL not in self.names:
             return session._refuse(CallRefused("not_found", f"the model {call.model!r} is not served here: {', '.join(self.models())} "
                                             f"(engine_agent_models lists the names served; \"*\" takes any)"))
+        if call.template_kwargs is not None:
+            refused = self._template_refusal(call.template_kwargs)
+            if refused is not None:
+                return session._refuse(refused)
         return session
+
+    def _template_refusal(self, kwargs: dict[str, Any]) -> CallRefused | None:
+        """A request's own template kwargs (`chat_template_kwargs`): served when they render as the
+        job's do, refused otherwise, so what the harness asked and what is trained never differ unseen."""
+        profile = self.rt.profile
+        alike = getattr(profile, "renders_alike", None)
+        try:
+            same = alike(kwargs) if alike is not None else not kwargs  # a profile without a template: none
+        except ValueError as exc:
+            return CallRefused("invalid_request", f"chat_template_kwargs: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the template itself refused them
+            return CallRefused("invalid_request", f"chat_template_kwargs cannot be rendered: {type(exc).__name__}: {exc}")
+        if same:
+            return None
+        job = json.dumps(dict(getattr(profile, "template_kwargs", {})), default=str)
+        return CallRefused("invalid_request", f"chat_template_kwargs {json.dumps(kwargs, default=str)} render the "
+                           f"prompt unlike this job's apply_chat_template_kwargs {job}: every call of a session is "
+                           f"rendered with the job's, as its samples are trained; set the job's "
+                           f"(--chat-template-kwargs) or drop them from the request")
 
     async def call(self, key: str, call: ModelCall) -> ModelAnswer | CallRefused:
         """Answer one model call of the session `key` (one turn of its machine)."""

@@ -96,6 +96,7 @@ class ChatProfile:
         self._glue: tuple[dict[str, Any], str, Form] | None = None  # the turn tool_delta renders, its text from the sentinel on
         self._reasoning_rule: EarlierReasoning | None = None  # learnt on first use (`earlier_reasoning`)
         self._asking: dict[str, tuple[list[int], list[int]]] = {}  # `ask_after_results`, per question
+        self._alike: dict[str, bool] = {}  # `renders_alike`, per request kwargs
         self.shows_calls = False  # whether the template shows a result's call (name, id): then the glue is per turn
         self.eos = tokenizer.eos_token
         self.eos_id = tokenizer.convert_tokens_to_ids(self.eos)
@@ -117,6 +118,22 @@ class ChatProfile:
     def render_prompt(self, prompt: Any, tools: list[dict[str, Any]]) -> list[int]:
         text = self.render(prompt_messages(prompt), tools=tools or None, add_generation_prompt=True)
         return self.encode(text)
+
+    def renders_alike(self, kwargs: dict[str, Any]) -> bool:
+        """Whether template kwargs a request names itself (a chat request's `chat_template_kwargs`)
+        render as this profile's do: a probe (a tool offered, an earlier answer with reasoning, the
+        generation prompt) rendered with this profile's kwargs and with them overlaid by `kwargs`.
+        ValueError for kwargs that are no template variables (`check_template_kwargs`)."""
+        asked = {**self.template_kwargs, **check_template_kwargs(kwargs)}
+        key = json.dumps(asked, sort_keys=True, default=repr)
+        if key not in self._alike:
+            options: dict[str, Any] = {"tools": [_PROBE_TOOL], "add_generation_prompt": True}
+            mine = self.render(_PROBE_TALK, **options)
+            theirs = self.tokenizer.apply_chat_template(_PROBE_TALK, tokenize=False, **options, **asked)
+            if len(self._alike) >= 64:  # what harnesses send is a setting or two: a bound, not a cache policy
+                self._alike.clear()
+            self._alike[key] = theirs == mine
+        return self._alike[key]
 
     def read_turn(self, text: str, *, forced: bool | None = None, schemas: dict[str, Any] | None = None) -> TurnReading:
         """One model turn as SGLang serves it: (reasoning, content, calls).
@@ -463,6 +480,10 @@ _PROBE_TOOL = {
     "function": {"name": "code_interpreter", "description": "Run Python code and return what it prints.",
                  "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}},
 }
+# `renders_alike`'s conversation: an earlier answer with its reasoning (which templates keep or drop
+# by their thinking variables), then the question the generation prompt answers
+_PROBE_TALK = [{"role": "user", "content": "Hi."},
+               {"role": "assistant", "content": "Hello.", "reasoning_content": "A greeting."}, _PROBE_USER]
 # How templates want an assistant turn with calls, most usual first: arguments as an object or as
 # JSON text (DeepSeek concatenates them), content given or None (DeepSeek-V3 renders calls only
 # without content); last, content alone (a template that renders no `tool_calls`).

@@ -34,7 +34,7 @@ def test_a_completion_carries_text_reasoning_usage_and_the_call_carries_the_hist
             raw = await client.chat.completions.with_raw_response.create(
                 model=MODEL, messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "2+3?"}],
                 max_completion_tokens=50, temperature=0.5, top_p=0.9, stop=["END"], seed=3,
-                extra_body={"top_k": 20})
+                extra_body={"top_k": 20, "chat_template_kwargs": {"enable_thinking": False}})
             await client.close()
             return raw.parse(), raw.http_response.json()
 
@@ -52,6 +52,7 @@ def test_a_completion_carries_text_reasoning_usage_and_the_call_carries_the_hist
                              "sampling_seed": 3, "top_k": 20}
     assert call.protocol == "chat" and call.model == MODEL and call.tool_choice == "auto"
     assert call.retry_of is None and len(call.digest) == 64
+    assert call.template_kwargs == {"enable_thinking": False}  # the session decides whether it serves them
 
 
 def test_tool_calls_go_out_in_openai_style_and_come_back_to_the_session_as_its_own() -> None:

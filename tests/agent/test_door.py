@@ -142,6 +142,8 @@ BAD = [
     ("chat", {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
      "messages[0].tool_calls[0]", "JSON text"),
+    ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "thinking"},
+     "chat_template_kwargs", "must be an object"),
     ("responses", {"model": MODEL, "input": "x", "previous_response_id": "resp_1"}, "previous_response_id",
      "whole history"),
     ("responses", {"model": MODEL, "input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type",

@@ -177,6 +177,46 @@ def test_refusals_keep_the_session():
     assert r.inputs.harness.refused == ["not_found", "invalid_request", "invalid_request"]  # recorded with the sample
 
 
+def test_a_request_s_own_template_kwargs_are_served_when_they_render_as_the_job_s_and_refused_when_not():
+    async def body(sessions: AgentSessions, rt: Any, model: ScriptedModel) -> Any:
+        key = keyed(sessions)
+        history = (Message("system", SYSTEM), Message("user", "Add."))
+        off = await sessions.call(key, ModelCall(history, TOOLS, template_kwargs={"enable_thinking": False}))
+        reserved = await sessions.call(key, ModelCall(history, TOOLS, template_kwargs={"tools": []}))
+        on = await sessions.call(key, ModelCall(history, TOOLS, template_kwargs={"enable_thinking": True}))
+        r = await finish(sessions, key)
+        return off, reserved, on, r
+
+    (off, reserved, on, r), _ = with_sessions(body)
+    # Qwen3 thinks unless told not to: asking it to think is the job's render, asking it not to is not
+    assert (off.kind, off.status) == ("invalid_request", 400)
+    assert off.message.startswith('chat_template_kwargs {"enable_thinking": false} render the prompt unlike this '
+                                  "job's apply_chat_template_kwargs {}")
+    assert "--chat-template-kwargs" in off.message
+    assert reserved.kind == "invalid_request" and "may not set tools" in reserved.message
+    assert isinstance(on, ModelAnswer) and r.turn_count == 1
+    assert r.inputs.harness.refused == ["invalid_request", "invalid_request"]
+
+
+def test_a_job_that_switches_thinking_off_serves_a_harness_that_asks_the_same_or_nothing():
+    async def body(sessions: AgentSessions, rt: Any, model: ScriptedModel) -> Any:
+        key = keyed(sessions)
+        history = (Message("system", SYSTEM), Message("user", "Add."))
+        same = await sessions.call(key, ModelCall(history, TOOLS, template_kwargs={"enable_thinking": False}))
+        other = await sessions.call(key, ModelCall(history, TOOLS, template_kwargs={"enable_thinking": True}))
+        await finish(sessions, key)
+        rendered = rt.tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Add."}], tools=list(TOOLS),
+            tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        return same, other, rendered
+
+    (same, other, rendered), model = with_sessions(body, chat_template_kwargs={"enable_thinking": False})
+    assert isinstance(same, ModelAnswer)
+    assert next(iter(model.requests.values()))[0] == model.profile.encode(rendered)  # thinking off, as both asked
+    assert rendered.endswith("<think>\n\n</think>\n\n")
+    assert other.kind == "invalid_request" and 'apply_chat_template_kwargs {"enable_thinking": false}' in other.message
+
+
 def test_any_model_name_is_served_under_a_star():
     async def body(sessions: AgentSessions, rt: Any, model: ScriptedModel) -> Any:
         key = keyed(sessions)

@@ -118,3 +118,17 @@ def test_slime_s_json_text_and_a_mapping_read_alike() -> None:
     assert EngineConfig(chat_template_kwargs='{"enable_thinking": false}').chat_template_kwargs == OFF
     assert EngineConfig(chat_template_kwargs=OFF).chat_template_kwargs == OFF
     assert EngineConfig().chat_template_kwargs == {}
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_a_request_s_own_kwargs_render_alike_only_where_the_real_template_renders_the_same(model: str) -> None:
+    tok = load_tokenizer(offline_tokenizer_dir(model))
+    thinking, off = ChatProfile(tok), ChatProfile(tok, template_kwargs=OFF)
+    # each of these templates thinks unless told not to: asking it to think changes nothing
+    assert thinking.renders_alike({}) and thinking.renders_alike({"enable_thinking": True})
+    assert not thinking.renders_alike(OFF)
+    assert off.renders_alike(OFF) and off.renders_alike({})  # overlaid on the job's: nothing new
+    assert not off.renders_alike({"enable_thinking": True})
+    assert thinking.renders_alike({"a_variable_no_template_reads": 1})
+    with pytest.raises(ValueError, match="may not set add_generation_prompt"):
+        thinking.renders_alike({"add_generation_prompt": False})
