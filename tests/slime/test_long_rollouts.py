@@ -45,6 +45,11 @@ def whole(samples: list[Any], server: ScriptedServer) -> None:
         prompt = s.tokens[: len(s.tokens) - s.response_length]
         assert prompt in prompts, "a sample's prompt is what some request sent"
         assert sample_violations(s, prompt_ids=prompt, budget=4096, decode=decode) == [], s.metadata["fsm"]
+    # I4 against the server's record: across the segments, in order, every token the server sent is
+    # trained once with its logprob, and nothing else is
+    trained = [(t, lp) for s in samples for t, lp, m in zip(s.tokens[len(s.tokens) - s.response_length:],
+                                                            s.rollout_log_probs, s.loss_mask) if m]
+    assert trained == [(i, lp) for ids, lps in server.replies for i, lp in zip(ids, lps)]
 
 
 def test_a_compacted_rollout_is_one_sample_per_segment_sharing_the_rollout_id(fake_interpreter):
@@ -68,6 +73,25 @@ def test_a_compacted_rollout_is_one_sample_per_segment_sharing_the_rollout_id(fa
     # the rollout is scored once, from its last words, and each sample gets it
     rewards = [run(slime.reward_func(None, s)) for s in out]
     assert [r["score"] for r in rewards] == [1.0, 1.0] and fsm[0]["rollout_final_text"].endswith("\\boxed{3}<|im_end|>")
+
+
+def test_an_attempt_failed_after_a_compaction_is_rerun_from_reset_and_ends_as_a_fresh_rollout(fake_interpreter):
+    """I5 across segments: the second segment's turn is aborted by the server; the rerun starts
+    from RESET (the first segment's sample included) and ends exactly as a fresh rollout."""
+    played = [turn(call("print(1)")), turn(call("print(2)")), turn("I printed 1, then 2."), turn(ANSWER)]
+    [probe], _ = generate([played[0], played[1], played[3]], Sample(index=0, prompt="What is 1 + 2?"))
+    settings = dict(engine_compaction="summarize", engine_compaction_threshold=len(probe.tokens) - len(encode(ANSWER)) - 1)
+    fresh, _ = generate(played, Sample(index=5, prompt="What is 1 + 2?", label="3"), **settings)
+    failing = [*played[:3], turn("It is", finish="abort")]
+    retried, server = generate([*failing, *played], Sample(index=5, prompt="What is 1 + 2?", label="3"), **settings)
+    assert len(fresh) == len(retried) == 2
+    assert [a["reason"] for a in retried[0].metadata["fsm"]["attempts"]] == ["server_aborted"]
+    for again, first in zip(retried, fresh):
+        assert (again.tokens, again.loss_mask, again.rollout_log_probs, again.status) == (
+            first.tokens, first.loss_mask, first.rollout_log_probs, first.status)
+        assert again.metadata["fsm"]["segment"] == first.metadata["fsm"]["segment"]
+    server.replies = server.replies[len(failing):]  # what the rerun was served: all of it trained, once
+    whole(retried, server)
 
 
 def test_a_discounted_reward_gives_each_earlier_segment_gamma_times_the_next_s(fake_interpreter):

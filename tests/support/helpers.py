@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -92,13 +93,15 @@ Scripted = httpx.Response | Exception | Callable[[dict[str, Any]], httpx.Respons
 
 
 class ScriptedServer:
-    """A respx side effect answering `/generate` from a script, recording every request."""
+    """A respx side effect answering `/generate` from a script, recording every request and, of
+    each reply it served whole, the output ids and logprobs (`replies`: the server's record)."""
 
     def __init__(self, script: list[Scripted], *, repeat_last: bool = False) -> None:
         self.script = list(script)
         self.repeat_last = repeat_last
         self.requests: list[dict[str, Any]] = []
         self.headers: list[httpx.Headers] = []
+        self.replies: list[tuple[list[int], list[float]]] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         payload = json.loads(request.content)
@@ -110,8 +113,22 @@ class ScriptedServer:
         if isinstance(item, Exception):
             raise item
         if callable(item) and not isinstance(item, httpx.Response):
-            return item(payload)
-        return item
+            item = item(payload)
+            if inspect.isawaitable(item):  # an async side effect: respx awaits what we return
+                return self._record_when_done(item)
+        return self._record(item)
+
+    async def _record_when_done(self, pending: Awaitable[httpx.Response]) -> httpx.Response:
+        return self._record(await pending)
+
+    def _record(self, response: httpx.Response) -> httpx.Response:
+        if response.status_code == 200:
+            try:
+                pairs = json.loads(response.content)["meta_info"]["output_token_logprobs"]
+            except (ValueError, KeyError, TypeError, IndexError, httpx.ResponseNotRead):
+                return response  # not a reply the engine can take (or a stream): nothing recorded
+            self.replies.append(([int(p[1]) for p in pairs], [float(p[0]) for p in pairs]))
+        return response
 
     def roll_out(self, config: Any, tokenizer: Any, sample: Any) -> Any:
         """Run `sample` through a runtime built from `config` and `tokenizer`, with this script
