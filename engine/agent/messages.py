@@ -6,7 +6,10 @@ Accepted: `system` (a string or text blocks: the first system message); user con
 `tool_use` blocks; custom tools (`input_schema`) and `tool_choice` (auto, any, tool, none);
 `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences`; `stream`. A user message's
 tool results become tool messages, in order, before its other content. Refused (400): documents,
-redacted thinking, server tools (web search, code execution, ...), images by file id.
+redacted thinking, server tools (web search, code execution, ...), images by file id, structured
+output (`output_config.format`, the beta's `output_format`), and a `thread` (server-held state: the
+refusal carries `thread_unsupported_request`, on which the SDK's thread and tool runner send the
+whole conversation again).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ CALL_PREFIX = "toolu_"
 SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
             "stop_sequences": "stop"}
 _STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
+# The error code (`error.details.error_code`) on which the SDK's message threads (its beta tool runner
+# uses one) drop `thread` and send the whole conversation: the door keeps no state between calls.
+THREAD_UNSUPPORTED = "thread_unsupported_request"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 409: "invalid_request_error", 413: "request_too_large", 500: "api_error"}
 
@@ -40,6 +46,10 @@ def read(body: Any, last: shapes.History | None = None, *, counting: bool = Fals
     model = shapes.text(body, "model", "", required=True)
     if not counting:
         shapes.integer(body, "max_tokens", "", low=1, required=True)
+    if body.get("thread") is not None:
+        raise BadRequest("thread is not served: the door keeps no state between calls, send the whole "
+                         "conversation in messages", "thread", code=THREAD_UNSUPPORTED)
+    _no_structured_output(body)
     tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(shapes.array(body, "tools", "")))
     messages: list[Message] = []
     system = body.get("system")
@@ -55,6 +65,17 @@ def read(body: Any, last: shapes.History | None = None, *, counting: bool = Fals
     call = ModelCall(messages=tuple(messages), tools=tools, sampling=shapes.sampling(body, SAMPLING),
                      protocol="messages", model=model or "", tool_choice=_tool_choice(body.get("tool_choice"), tools))
     return Asked(call=call, stream=shapes.flag(body, "stream", ""), history=history)
+
+
+def _no_structured_output(body: dict[str, Any]) -> None:
+    """Refuse an output schema (`output_config.format`, the beta's `output_format`): nothing enforces it on
+    the sampled turn, and the SDK's `parse` would fail on the free text."""
+    config = body.get("output_config")
+    if config is not None and shapes.obj(config, "output_config").get("format") is not None:
+        raise BadRequest("output_config.format is not served: structured output is not enforced",
+                         "output_config.format")
+    if body.get("output_format") is not None:
+        raise BadRequest("output_format is not served: structured output is not enforced", "output_format")
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
@@ -246,8 +267,10 @@ def error(problem: Problem) -> dict[str, Any]:
     message = problem.message
     if problem.kind == "over_budget" and not message.startswith("prompt is too long"):
         message = f"prompt is too long: {message}"
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(problem.status, "invalid_request_error"),
-                                       "message": message}}
+    shaped: dict[str, Any] = {"type": _ERROR_TYPES.get(problem.status, "invalid_request_error"), "message": message}
+    if problem.code == THREAD_UNSUPPORTED:
+        shaped["details"] = {"error_code": problem.code}
+    return {"type": "error", "error": shaped}
 
 
 def token_count(count: int) -> dict[str, Any]:

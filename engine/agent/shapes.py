@@ -45,17 +45,17 @@ class Problem:
         return cls(refusal.status, refusal.kind, refusal.message)
 
     @classmethod
-    def invalid(cls, message: str, param: str | None = None) -> Problem:
+    def invalid(cls, message: str, param: str | None = None, code: str | None = None) -> Problem:
         """A request the protocol refuses (400)."""
-        return cls(400, "invalid_request", message, param=param)
+        return cls(400, "invalid_request", message, code=code, param=param)
 
 
 class BadRequest(Exception):
-    """A request the door refuses before any session sees it."""
+    """A request the door refuses before any session sees it (`code`: the error code an SDK acts on, if any)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.problem = Problem.invalid(message, param)
+        self.problem = Problem.invalid(message, param, code)
 
 
 @attrs.frozen

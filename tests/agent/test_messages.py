@@ -2,7 +2,8 @@
 
 System, thinking, tool_use and tool_result blocks (with `is_error`), images kept as image parts,
 the event sequence the SDK's stream helper rebuilds, `max_tokens` as the stop reason, and
-`count_tokens` answered by the session.
+`count_tokens` answered by the session; the SDK's tool runner, whose server-held thread the door
+refuses so that it sends the whole conversation; structured output refused before any turn.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import anthropic
 import httpx
 import pydantic
 import pytest
+from anthropic import beta_async_tool
 from anthropic.types import Message as AnthropicMessage
 from anthropic.types import RawMessageStreamEvent
 
@@ -169,3 +172,55 @@ def test_count_tokens_is_the_sessions_count_of_the_rendered_request() -> None:
     [call] = sessions.counted
     assert call.messages == (Message("system", "two words"), Message("user", "three words here"))
     assert call.tools[0]["function"]["name"] == "get_weather" and call.protocol == "messages"
+
+
+def test_the_sdks_tool_runner_sends_its_whole_conversation_once_the_door_refuses_its_thread() -> None:
+    # The SDK's beta tool runner asks for a server-held thread and then sends only each turn's new
+    # messages; the door keeps no state, so it refuses `thread` with the code on which the SDK
+    # stops threading and sends the whole conversation again.
+    sessions = ScriptedSessions({"k": [CALLING, SUNNY]})
+
+    @beta_async_tool
+    async def get_weather(city: str) -> str:
+        """Weather of a city."""
+        if city == "Rome":
+            raise TimeoutError("the weather service timed out")
+        return "sunny"
+
+    async def go() -> list[str | None]:
+        async with running(sessions) as door:
+            client = anthropic_client(door.session_url("k"))
+            runner = client.beta.messages.tool_runner(model=MODEL, max_tokens=256, tools=[get_weather],
+                                                      messages=[{"role": "user", "content": "Paris and Rome?"}])
+            stops = [message.stop_reason async for message in runner]
+            await client.close()
+            return stops
+
+    assert asyncio.run(go()) == ["tool_use", "end_turn"]
+    one, two = sessions.calls["k"]  # the refused request took no turn
+    assert sessions.script["k"] == [] and one.messages == (Message("user", "Paris and Rome?"),)
+    assert two.messages[0] == one.messages[0] and two.messages[1].calls == CALLING.calls
+    assert [(m.role, m.call_id, m.error) for m in two.messages[2:]] == [("tool", "c0", False), ("tool", "c1", True)]
+    assert two.messages[2].text() == "sunny" and "timed out" in two.messages[3].text()
+
+
+@pytest.mark.parametrize("beta", [False, True])
+def test_structured_output_is_refused_before_a_turn_is_taken(beta: bool) -> None:
+    sessions = ScriptedSessions({"k": [SUNNY]})
+
+    class City(pydantic.BaseModel):
+        name: str
+
+    async def go() -> anthropic.BadRequestError:
+        async with running(sessions) as door:
+            client = anthropic_client(door.session_url("k"))
+            messages = client.beta.messages if beta else client.messages
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await messages.parse(model=MODEL, max_tokens=64, output_format=City,
+                                     messages=[{"role": "user", "content": "Which city?"}])
+            await client.close()
+            return refused.value
+
+    refused = asyncio.run(go())
+    assert refused.status_code == 400 and "structured output is not enforced" in refused.message
+    assert "k" not in sessions.calls and sessions.script["k"] == [SUNNY]
