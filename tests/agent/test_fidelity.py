@@ -101,12 +101,13 @@ def test_every_trained_token_of_every_segment_is_the_server_s(family: str):
 
 
 PROTOCOL_CLIENTS = ["chat_task", "chat_stream_task", "responses_task", "responses_stream_task", "messages_task",
-                    "messages_stream_task"]
+                    "messages_stream_task", "messages_tool_runner_task", "agents_sdk_chat_task"]
 
 
 def test_a_verbatim_harness_over_each_protocol_makes_one_sample_of_the_server_s_tokens():
-    """Through the front door, each protocol's client replaying its history as its SDK hands it back:
-    no break, one sample per session, its trained tokens the server's replies (Qwen3's template)."""
+    """Through the front door, each protocol's client replaying its history as its SDK hands it back
+    (Anthropic's tool runner and the Agents SDK over Chat Completions drive their own loops): no break,
+    one sample per session, its trained tokens the server's replies (Qwen3's template)."""
     from engine.agent.harness import HarnessSpec
     from engine.agent.serving import close_served, run_agent
 

@@ -168,6 +168,51 @@ async def agents_sdk_task(base_url: str, api_key: str, sample: Any) -> str:
         await api.close()
 
 
+async def messages_tool_runner_task(base_url: str, api_key: str, sample: Any) -> str:
+    """Anthropic's beta tool runner drives the loop; it asks for a server-held thread, which the door refuses."""
+    import anthropic
+    from anthropic import beta_async_tool
+
+    @beta_async_tool
+    async def add(a: int, b: int) -> str:
+        """Add two integers."""
+        return str(a + b)
+
+    async with anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, max_retries=0) as api:
+        runner = api.beta.messages.tool_runner(model="policy", max_tokens=256, system=SYSTEM, tools=[add],
+                                               messages=[{"role": "user", "content": TASK}])
+        texts = [b.text async for message in runner for b in message.content if b.type == "text"]
+        return texts[-1] if texts else ""
+
+
+async def agents_sdk_chat_task(base_url: str, api_key: str, sample: Any) -> str:
+    """The Agents SDK over Chat Completions, not streamed: two tools, one raising on its third call
+    (the SDK sends its error text as the result), a tool required on the first turn."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        if a == 2:
+            raise ValueError("the adder is out of order")
+        return a + b
+
+    @function_tool
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    api = client(base_url, api_key)
+    try:
+        agent = Agent(name="adder", instructions=SYSTEM, tools=[add, multiply],
+                      model=OpenAIChatCompletionsModel(model="policy", openai_client=api),
+                      model_settings=ModelSettings(tool_choice="required"))
+        result = await Runner.run(agent, TASK, run_config=RunConfig(tracing_disabled=True), max_turns=8)
+        return str(result.final_output)
+    finally:
+        await api.close()
+
+
 async def forgetful(base_url: str, api_key: str, sample: Any) -> float:
     """The add task by a harness that sends its history back without the model's reasoning."""
     return await add_task(base_url, api_key, sample, keep_reasoning=False)
