@@ -109,6 +109,8 @@ class ModelAnswer:
     parser split off (None when there is none); `calls` the tool calls with ids the session made
     (the protocol writes them as its own: `call_...`, `toolu_...`). `finish` is why the turn ended:
     "length" when it hit its token cap or a budget ran out (the protocol says so in its own way).
+    `stop_sequence` is the call's own stop string the turn ended on, if it ended on one (Messages
+    answers it as `stop_reason: "stop_sequence"`).
     """
 
     text: str
@@ -117,6 +119,7 @@ class ModelAnswer:
     finish: FinishReason = "stop"
     usage: Usage = Usage(0, 0)
     id: str = ""  # the answer's id, stable across a retried request
+    stop_sequence: str | None = None
 
 
 @attrs.frozen

@@ -219,7 +219,14 @@ def _blocks(answer: ModelAnswer) -> list[dict[str, Any]]:
 
 
 def _stop(answer: ModelAnswer) -> str:
-    return "tool_use" if answer.calls and answer.finish != "length" else _STOP[answer.finish]
+    if answer.calls and answer.finish != "length":
+        return "tool_use"
+    return "stop_sequence" if answer.finish == "stop" and answer.stop_sequence is not None else _STOP[answer.finish]
+
+
+def _stop_sequence(answer: ModelAnswer) -> str | None:
+    """The request's stop sequence the turn ended on (None unless the stop reason is `stop_sequence`)."""
+    return answer.stop_sequence if _stop(answer) == "stop_sequence" else None
 
 
 def _message_id(answer: ModelAnswer) -> str:
@@ -229,7 +236,8 @@ def _message_id(answer: ModelAnswer) -> str:
 def reply(answer: ModelAnswer, asked: Asked) -> dict[str, Any]:
     """The message of one answer."""
     return {"id": _message_id(answer), "type": "message", "role": "assistant", "model": asked.call.model,
-            "content": _blocks(answer), "stop_reason": _stop(answer), "stop_sequence": None, "usage": _usage(answer)}
+            "content": _blocks(answer), "stop_reason": _stop(answer), "stop_sequence": _stop_sequence(answer),
+            "usage": _usage(answer)}
 
 
 def events(answer: ModelAnswer, asked: Asked) -> Iterator[bytes]:
@@ -257,7 +265,8 @@ def events(answer: ModelAnswer, asked: Asked) -> Iterator[bytes]:
         for delta in deltas:
             yield shapes.sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
         yield shapes.sse({"type": "content_block_stop", "index": index}, "content_block_stop")
-    yield shapes.sse({"type": "message_delta", "delta": {"stop_reason": _stop(answer), "stop_sequence": None},
+    yield shapes.sse({"type": "message_delta", "delta": {"stop_reason": _stop(answer),
+                                                         "stop_sequence": _stop_sequence(answer)},
                       "usage": usage}, "message_delta")
     yield shapes.sse({"type": "message_stop"}, "message_stop")
 

@@ -69,6 +69,12 @@ class End:
     detail: str = ""
 
 
+def _stops(call: ModelCall) -> tuple[str, ...]:
+    """The stop strings a call asked for."""
+    stop = call.sampling.get("stop")
+    return (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str))
+
+
 class Session:
     """One sample's session: its harness's calls as the turns of one machine."""
 
@@ -205,8 +211,12 @@ class Session:
             r.record.turn_log[-1]["malformed_call"] = True
         finish = "tool_calls" if read.calls else ("length" if turn.reply is not None and turn.reply.finish == "length" else "stop")
         total = r.traj.total_length
+        # the server names the stop string it matched (a stop token is an id): the call's own, or the job's
+        matched = turn.reply.finish_detail if turn.reply is not None and turn.reply.finish == "stop" else None
+        asked = _stops(self.waiting.call) if self.waiting is not None else ()
         return ModelAnswer(read.text, read.reasoning, read.calls, finish,
-                           Usage(self.turn_input, max(0, total - self.turn_input)), id=uuid.uuid4().hex)
+                           Usage(self.turn_input, max(0, total - self.turn_input)), id=uuid.uuid4().hex,
+                           stop_sequence=matched if isinstance(matched, str) and matched in asked else None)
 
     def _deliver(self, answer: ModelAnswer | CallRefused) -> None:
         pending, self.waiting = self.waiting, None
@@ -253,11 +263,9 @@ class Session:
         return self.transcript[-1] if self.transcript and len(self.transcript) - 1 in self.model_turns else None
 
     def _event(self, kind: str, call: ModelCall, **fields: Any) -> HarnessEvent:
-        stop = call.sampling.get("stop")
-        stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str))
         cap = call.sampling.get("max_new_tokens")
         return HarnessEvent(kind, max_new_tokens=cap if isinstance(cap, int) and cap > 0 else None,  # type: ignore[arg-type]
-                            stop=stops, **fields)
+                            stop=_stops(call), **fields)
 
     async def _drive(self, r: Rollout) -> Rollout:
         self.turn_input = len(r.inputs.rendered or ())

@@ -224,3 +224,28 @@ def test_structured_output_is_refused_before_a_turn_is_taken(beta: bool) -> None
     refused = asyncio.run(go())
     assert refused.status_code == 400 and "structured output is not enforced" in refused.message
     assert "k" not in sessions.calls and sessions.script["k"] == [SUNNY]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_ended_by_a_requested_stop_sequence_says_which(stream: bool) -> None:
+    sessions = ScriptedSessions({"k": [ModelAnswer(text="1, 2, 3", usage=Usage(5, 4), stop_sequence="##"), SUNNY]})
+
+    async def go() -> list[Any]:
+        async with running(sessions) as door:
+            client = anthropic_client(door.session_url("k"))
+            done = []
+            for _ in range(2):
+                messages: Any = [{"role": "user", "content": "Count."}]
+                if stream:
+                    async with client.messages.stream(model=MODEL, max_tokens=64, messages=messages,
+                                                      stop_sequences=["##"]) as events:
+                        done.append(await events.get_final_message())
+                else:
+                    done.append(await client.messages.create(model=MODEL, max_tokens=64, messages=messages,
+                                                             stop_sequences=["##"]))
+            await client.close()
+            return done
+
+    stopped, ended = asyncio.run(go())
+    assert (stopped.stop_reason, stopped.stop_sequence, stopped.content[0].text) == ("stop_sequence", "##", "1, 2, 3")
+    assert (ended.stop_reason, ended.stop_sequence) == ("end_turn", None)

@@ -364,3 +364,31 @@ def test_count_tokens_renders_the_history_with_its_tools():
 
     (counted, expected, refused), _ = with_sessions(body)
     assert counted == expected and isinstance(refused, CallRefused)
+
+
+@pytest.mark.parametrize("matched", ["##", "%%"])
+def test_an_answer_names_the_call_s_stop_string_the_server_matched_and_no_other(matched: str):
+    def stopping(model: ScriptedModel) -> Callable[[httpx.Request], Any]:
+        """The scripted model, its second reply (the answer) ended by a stop string as SGLang reports one."""
+        def answer(request: httpx.Request) -> httpx.Response:
+            reply = model(request)
+            if sum(len(v) for v in model.replies.values()) != 2:
+                return reply
+            body = reply.json()
+            body["meta_info"]["finish_reason"] = {"type": "stop", "matched": matched}
+            return httpx.Response(200, json=body)
+        return answer
+
+    async def body(sessions: AgentSessions, rt: Any, model: ScriptedModel) -> Any:
+        key = keyed(sessions)
+        history = (Message("system", SYSTEM), Message("user", "Add."))
+        first = await sessions.call(key, ModelCall(history, TOOLS, {"stop": ["##"]}))
+        history = (*history, as_message(first), Message("tool", "1", call_id=first.calls[0].id))
+        last = await sessions.call(key, ModelCall(history, TOOLS, {"stop": ["##"]}))
+        await finish(sessions, key)
+        return first, last
+
+    (first, last), _ = with_sessions(body, model=stopping, steps=1)
+    assert first.stop_sequence is None  # ended on the template's closing token, an id
+    assert last.calls == () and last.finish == "stop"
+    assert last.stop_sequence == ("##" if matched == "##" else None)  # "%%": a stop string the call did not ask for
