@@ -6,11 +6,12 @@ process, because its numbers mean other calls. Allowed calls fall in three kinds
 
 * `ALLOWED`: whatever the arguments (the process's own memory, files Landlock lets it open, its
   own processes and signals, clocks);
-* `FILTERED`: one use only, decided by an argument (`RULES` says which): creation modes without
-  setuid/setgid bits, a unix stream `socketpair` and no option that grows its buffers, `clone`
-  without namespaces, `fcntl` without locks, leases or signal ownership, `ioctl` of a few queries
-  (any other request gets ENOTTY, the kernel's own "not for this descriptor"), `prctl` of a few
-  options, limits of its own but the core dump's;
+* `FILTERED`: one use only, decided by an argument (`RULES` says which): `mmap` without the host's
+  hugetlb pool, creation modes without setuid/setgid bits, a unix stream `socketpair` and no
+  option that grows its buffers, `clone` without namespaces, `fcntl` without locks, leases or
+  signal ownership, `ioctl` of a few queries (any other request gets ENOTTY, the kernel's own "not
+  for this descriptor"), `prctl` of a few options, limits of its own but the core dump's, an I/O
+  priority no higher than the default;
 * `ENOSYS`: calls glibc tries first and falls back from only on ENOSYS (`clone3` -> `clone`,
   whose flags the filter can read; `openat2` -> `openat`, whose mode it can read).
 
@@ -41,7 +42,7 @@ ALLOW, DENY, NOSYS, NOTTY, NOOP = "allow", "deny", "nosys", "notty", "noop"  # t
 # reach, the uid and rlimits bound what it may hold; these calls reach nothing else.
 ALLOWED: dict[str, tuple[int, str]] = {
     # memory of its own
-    "brk": (12, "the heap"), "mmap": (9, "memory and mapped files"), "munmap": (11, "memory"),
+    "brk": (12, "the heap"), "munmap": (11, "memory"),
     "mprotect": (10, "memory protection (the loader, ctypes closures)"), "mremap": (25, "realloc of large blocks"),
     "madvise": (28, "malloc returns memory"), "msync": (26, "mapped files of its own"),
     "mbind": (237, "NUMA policy of its own memory (OpenBLAS, torch)"), "set_mempolicy": (238, "NUMA policy of itself"),
@@ -123,6 +124,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
 
 # One use only: the rule in `RULES` lets that use through, everything else gets EPERM.
 FILTERED: dict[str, tuple[int, str, str]] = {
+    "mmap": (9, "no_hugetlb:3", "memory and mapped files; never from the host's hugetlb pool"),
     "open": (2, "create_mode:2", "open and create files; no setuid/setgid creation mode"),
     "openat": (257, "create_mode:3", "open and create files; no setuid/setgid creation mode"),
     "creat": (85, "create_mode:1", "create files; no setuid/setgid mode"),
@@ -152,7 +154,7 @@ FILTERED: dict[str, tuple[int, str, str]] = {
     "sched_setparam": (142, "pid0", "its own scheduling"), "sched_setscheduler": (144, "pid0", "its own scheduling"),
     "sched_setattr": (314, "pid0", "its own scheduling"),
     "setpriority": (141, "prio_self", "its own nice value (PRIO_USER would reach the engine's)"),
-    "ioprio_set": (251, "ioprio_self", "its own I/O priority"),
+    "ioprio_set": (251, "ioprio_self", "its own I/O priority, never above the default (best effort, level 4)"),
     "setsid": (112, "own_group", "a session of its own; a no-op where the run has no uid of its own"),
     "setpgid": (109, "own_group", "a process group of its own; a no-op where the run has no uid of its own"),
 }
@@ -191,6 +193,13 @@ RLIMIT_CORE = 4
 PRCTL_OPTIONS = (1, 2, 3, 4, 7, 15, 16, 21, 23, 29, 30, 34, 36, 37, 38, 39, 40, 41, 42, 52, 53, 0x53564D41)
 PERSONALITY_QUERY = 0xFFFFFFFF
 PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
+# I/O priorities a run may take (class << 13 | level): none (derived from the nice value, which
+# RLIMIT_NICE keeps at or below the engine's), best effort at level 4 (a nice-0 process's) or lower,
+# idle. Best effort at levels 0-3 needs no capability, yet puts the run's I/O before the engine's.
+IOPRIO_NONE, IOPRIO_BE_DEFAULT, IOPRIO_BE_LOWEST, IOPRIO_IDLE, IOPRIO_END = 0, 0x4004, 0x4007, 0x6000, 0x8000
+# mmap's MAP_HUGETLB: pages of the host's hugetlb pool, which no memory cgroup (v1, or v2 without
+# memory_hugetlb_accounting) counts, taken from whatever the host reserved them for.
+MAP_HUGETLB = 0x40000
 
 
 def _arg(i: int, high: bool = False) -> int:
@@ -350,12 +359,28 @@ def _rule(a: Asm, rule: str, own_uid: bool) -> None:
         a.load(_arg(0))
         a.when(JEQ, 0, ALLOW)
         a.go(DENY)
-    elif name in ("prio_self", "ioprio_self"):
+    elif name == "prio_self":
         a.load(_arg(0))
-        a.unless(JEQ, PRIO_PROCESS if name == "prio_self" else IOPRIO_WHO_PROCESS, DENY)
+        a.unless(JEQ, PRIO_PROCESS, DENY)
         a.load(_arg(1))
         a.when(JEQ, 0, ALLOW)
         a.go(DENY)
+    elif name == "ioprio_self":  # ioprio_set(which, who, ioprio): itself, never above the default
+        a.load(_arg(0))
+        a.unless(JEQ, IOPRIO_WHO_PROCESS, DENY)
+        a.load(_arg(1))
+        a.unless(JEQ, 0, DENY)
+        a.load(_arg(2))  # an int: its low 32 bits are all of it
+        a.when(JEQ, IOPRIO_NONE, ALLOW)
+        a.when(JGE, IOPRIO_END, DENY)
+        a.when(JGE, IOPRIO_IDLE, ALLOW)
+        a.when(JGE, IOPRIO_BE_LOWEST + 1, DENY)
+        a.when(JGE, IOPRIO_BE_DEFAULT, ALLOW)
+        a.go(DENY)
+    elif name == "no_hugetlb":
+        a.load(_arg(i))
+        a.when(JSET, MAP_HUGETLB, DENY)
+        a.go(ALLOW)
     else:
         raise ValueError(f"unknown rule {rule!r}")
 

@@ -375,11 +375,12 @@ def set_limits(cfg: dict[str, Any]) -> None:
     """rlimits, after the uid drop (see runner._config). RLIMIT_AS bounds growth past what
     the process already maps (the zygote's preloaded modules), not the inherited total.
     Real-time scheduling and a raised priority stay refused whatever the engine's own limits
-    allow (a run would take CPU from the engine and the other runs). RLIMIT_NOFILE comes last,
+    allow (a run would take CPU from the engine and the other runs). RLIMIT_SIGPENDING is far below
+    the host's: the kernel counts queued signals per user (see runner.RUN_SIGNALS). RLIMIT_NOFILE comes last,
     in `set_file_limit`: Landlock's rules open a descriptor each."""
     limits = dict(cfg["rlimits"])
     limits["AS"] += _mapped_bytes()
-    for name in ("NPROC", "FSIZE", "AS"):
+    for name in ("NPROC", "FSIZE", "AS", "SIGPENDING"):
         resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (limits[name], limits[name]))
     for name in ("RTPRIO", "NICE"):
         resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (0, 0))

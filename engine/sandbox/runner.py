@@ -81,6 +81,10 @@ _GIB, _MIB = 1 << 30, 1 << 20
 MIN_PROCESS_BYTES = 256 * _MIB  # without cgroups: the least address space worth a process
 MIN_FILES = 16  # descriptors a process keeps whatever the budget (stdio, imports, a few files)
 KERNEL_SHARE = 4  # at most 1/KERNEL_SHARE of a run's memory is what the kernel holds for its descriptors
+# Signals a run may have queued (RT signals, POSIX timers), counted per user: without a uid per run that
+# count is the engine's user's, and a run that queued its whole limit would leave that user's own
+# processes (the engine, a trainer) none. A run's limit far below the host's leaves them the rest.
+RUN_SIGNALS = 1024
 ENGINE_ROOM = 32  # without a uid per run: tasks of the user's RLIMIT_NPROC no run may take (the engine's own)
 
 
@@ -500,8 +504,11 @@ def _rlimits(limits: SandboxLimits, caps: _Capabilities, uid: int | None) -> dic
         engine, _ = resource.getrlimit(resource.RLIMIT_NPROC)
         if engine != resource.RLIM_INFINITY:
             nproc = max(1, min(nproc, engine - ENGINE_ROOM))
+    signals, _ = resource.getrlimit(resource.RLIMIT_SIGPENDING)
+    if signals == resource.RLIM_INFINITY or signals > RUN_SIGNALS:
+        signals = RUN_SIGNALS
     return {"NPROC": nproc, "FSIZE": limits.max_file_bytes, "NOFILE": budget.files,
-            "CPU": limits.cpu_seconds(), "AS": budget.address_space}
+            "CPU": limits.cpu_seconds(), "AS": budget.address_space, "SIGPENDING": signals}
 
 
 def _config(limits: SandboxLimits, uid: int | None, caps: _Capabilities, *, workdir: str,

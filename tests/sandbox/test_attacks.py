@@ -131,8 +131,8 @@ def test_the_memory_spread_attack_is_judged_not_contained_without_a_run_wide_lim
 
 def test_the_new_cases_see_the_holes_with_the_filter_off(monkeypatch: pytest.MonkeyPatch) -> None:
     # Negative controls for cases seccomp alone holds without namespaces: with the filter switched
-    # off, calls past the allowlist, shared locks, queues and setuid files get through, and the cases
-    # must say so.
+    # off, calls past the allowlist, shared locks, queues, setuid files and the host's hugetlb pool
+    # get through, and the cases must say so.
     if os.geteuid() != 0:
         pytest.skip("a uid per run needs root")
     caps = sandbox._capabilities()
@@ -140,7 +140,8 @@ def test_the_new_cases_see_the_holes_with_the_filter_off(monkeypatch: pytest.Mon
     monkeypatch.setattr(sandbox, "_caps", bare)
     monkeypatch.setattr(sandbox, "_LAYERS_OFF", {"seccomp"})
     names = ["system calls outside the allowlist", "a lock on a file every run can open, as a signal",
-             "POSIX message queues", "setuid file and unreadable directory left in the work dir"]
+             "POSIX message queues", "setuid file and unreadable directory left in the work dir",
+             "hugetlb pages outside the memory budget"]
     rows = asyncio.run(run_suite(names))
     assert sorted(r.attack for r in rows) == sorted(names)
     assert not any(r.contained for r in rows), [(r.attack, r.how) for r in rows if r.contained]

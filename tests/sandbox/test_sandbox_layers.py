@@ -181,6 +181,16 @@ def test_the_argument_rules_let_one_use_through() -> None:
         assert _says(prog, "prlimit64", 0, 7) == ALLOW and _says(prog, "prlimit64", 1, 7) == EPERM
         assert _says(prog, "setpriority", 0, 0, 5) == ALLOW and _says(prog, "setpriority", 2, 0, 5) == EPERM
         assert _says(prog, "personality", 0xFFFFFFFF) == ALLOW and _says(prog, "personality", 0x40000) == EPERM
+        # Memory and mapped files, never the host's hugetlb pool (MAP_HUGETLB, with or without a page size).
+        assert _says(prog, "mmap", 0, 4096, 3, 0x22) == ALLOW and _says(prog, "mmap", 0, 4096, 1, 0x1, 3) == ALLOW
+        assert _says(prog, "mmap", 0, 2 << 20, 3, 0x40022) == EPERM
+        assert _says(prog, "mmap", 0, 2 << 20, 3, 0x40022 | 21 << 26) == EPERM  # MAP_HUGE_2MB
+        # Its own I/O priority: none, best effort at level 4 or below, idle; never above (nor real time).
+        for ioprio in (0, 2 << 13 | 4, 2 << 13 | 7, 3 << 13, 3 << 13 | 7):
+            assert _says(prog, "ioprio_set", 1, 0, ioprio) == ALLOW, hex(ioprio)
+        for ioprio in (2 << 13, 2 << 13 | 3, 1 << 13, 1 << 13 | 7, 2 << 13 | 1 << 3 | 4, 4 << 13, 0xFFFFFFFF):
+            assert _says(prog, "ioprio_set", 1, 0, ioprio) == EPERM, hex(ioprio)
+        assert _says(prog, "ioprio_set", 1, 7, 2 << 13 | 4) == EPERM and _says(prog, "ioprio_set", 3, 0, 0) == EPERM
     # With a uid of its own the run owns only its work dir: modes and times may change there.
     assert _says(own, "fchmod", 3, 0o755) == ALLOW and _says(own, "fchmod", 3, 0o4755) == EPERM
     assert _says(own, "fchmodat", -100, 0, 0o644) == ALLOW and _says(own, "utimensat", 3, 0, 0) == ALLOW

@@ -1,9 +1,9 @@
 """Attacks through what the allowlist admits, with arguments its table did not think of, and
 through what the kernel shares beneath every run: a host file's flags set by `ioctl`, a
 descriptor's signal owner aimed at the engine, a futex woken across runs, page tables of a sparse
-address space, a crash's core dump, real-time scheduling, the stdin the engine hands over, and a
-chain of processes that each fork and exit at once, which no scan of the process table catches,
-and fork bombs that leave the forker no room for the next run.
+address space, a crash's core dump, real-time scheduling and a raised CPU or I/O priority, the
+stdin the engine hands over, and a chain of processes that each fork and exit at once, which no
+scan of the process table catches, and fork bombs that leave the forker no room for the next run.
 
 Registered on import (see `engine.sandbox.attacks.suite`), last. Each verdict is read from outside
 the run: the host file's flags, the signals the engine received, when a concurrent run's wait
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import ctypes
 import fcntl
 import os
 import resource
@@ -262,13 +263,35 @@ os.abort()
                    f"core_pattern {pattern!r}; the run ended {run.result.returncode} (SIGABRT is -6)")
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+IOPRIO_CLASS_RT, IOPRIO_CLASS_BE, IOPRIO_BE_DEFAULT = 1, 2, 4
+
+
+def _ioprio(pid: int) -> int:
+    """ioprio_get(IOPRIO_WHO_PROCESS, pid): class << 13 | level."""
+    got = _LIBC.syscall(252, 1, pid)
+    if got < 0:
+        raise OSError(ctypes.get_errno(), "ioprio_get")
+    return int(got)
+
+
+def _io_not_above_default(ioprio: int) -> bool:
+    """Neither real-time nor best effort above a nice-0 process's level (4); none and idle are fine."""
+    cls, level = ioprio >> 13, ioprio & 7
+    return cls != IOPRIO_CLASS_RT and not (cls == IOPRIO_CLASS_BE and level < IOPRIO_BE_DEFAULT)
+
+
 @attack("real-time scheduling and a raised priority")
 async def scheduling(lab: Lab) -> Verdict:
     tag = "rt" + uuid.uuid4().hex[:6]
     code = NAMED.format(tag=tag) + """
 import resource, time
+lib = ctypes.CDLL(None, use_errno=True)
+def ioprio(value):  # ioprio_set(IOPRIO_WHO_PROCESS, itself, value): no capability needed for best effort
+    if lib.syscall(251, 1, 0, value) != 0:
+        raise OSError(ctypes.get_errno(), 'ioprio_set')
 tries = {'fifo': attempt(os.sched_setscheduler, 0, os.SCHED_FIFO, os.sched_param(1)),
-         'nice': attempt(os.setpriority, os.PRIO_PROCESS, 0, -5)}
+         'nice': attempt(os.setpriority, os.PRIO_PROCESS, 0, -5), 'ioprio': attempt(ioprio, 2 << 13 | 0)}
 try:
     resource.setrlimit(resource.RLIMIT_RTPRIO, (1, 1))
     tries['rlimit'] = 'ok'
@@ -280,17 +303,22 @@ time.sleep(0.4)
     task = asyncio.create_task(lab.run(code))
     seen = await _watch(task, tag, lambda pid: {"policy": os.sched_getscheduler(pid),
                                                 "nice": os.getpriority(os.PRIO_PROCESS, pid),
+                                                "ioprio": _ioprio(pid),
                                                 "rtprio": _limit(pid, "Max realtime priority"),
                                                 "nicelimit": _limit(pid, "Max nice priority")})
     run = task.result()
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     policies = {s["policy"] for s in seen}
     nices = {s["nice"] for s in seen}
-    contained = bool(seen) and policies <= {os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE} and min(nices) >= mine
+    ioprios = {s["ioprio"] for s in seen}
+    contained = (bool(seen) and policies <= {os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE} and min(nices) >= mine
+                 and all(_io_not_above_default(p) for p in ioprios))
     tries = run.facts.get("tries", {})
     return Verdict(contained, f"SCHED_FIFO -> {tries.get('fifo', '-')}, nice -5 -> {tries.get('nice', '-')}, "
-                   f"raising RLIMIT_RTPRIO -> {tries.get('rlimit', '-')}",
+                   f"raising RLIMIT_RTPRIO -> {tries.get('rlimit', '-')}, "
+                   f"I/O best effort 0 -> {tries.get('ioprio', '-')}",
                    f"the live run: policies {sorted(policies)}, nice {sorted(nices)} (the engine's {mine}), "
+                   f"I/O priorities {sorted(f'{p >> 13}/{p & 7}' for p in ioprios)} (class/level), "
                    f"limits rtprio {sorted({s['rtprio'] for s in seen})}, nice {sorted({s['nicelimit'] for s in seen})}")
 
 

@@ -14,7 +14,9 @@ Landlock and seccomp hold without privileges, and that ordinary code still runs)
 (forged reports, files and queues that outlive a call, metadata through a descriptor, kernel
 buffers), `leaks.py` (what a run could learn of the host or signal to another run) and `admitted.py`
 (calls the allowlist admits with arguments it did not think of, and what the kernel shares beneath
-every run: ioctl, a descriptor's signal owner, futexes, page tables, core dumps, scheduling, stdin); this module holds
+every run: ioctl, a descriptor's signal owner, futexes, page tables, core dumps, scheduling, stdin) and `outside.py`
+(the host's hugetlb pool, queued signals per user, a concurrent run's memory, the run's own /proc, a
+work dir left full of litter); this module holds
 what they share (`Lab`, `attack`), the runner and the report. After each attack, no
 process of a sandbox uid that attack's runs used may be alive: a survivor marks the attack
 not contained whatever else was seen.
@@ -47,6 +49,7 @@ def all_attacks() -> list[tuple[str, AttackFn]]:
     from engine.sandbox.attacks import escapes  # noqa: F401  (found from outside the suite)
     from engine.sandbox.attacks import leaks  # noqa: F401
     from engine.sandbox.attacks import admitted  # noqa: F401  (what the allowlist admits, what the kernel shares)
+    from engine.sandbox.attacks import outside  # noqa: F401  (what no cgroup or uid divides, a concurrent run)
 
     return list(ATTACKS)
 
