@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -74,13 +75,16 @@ def unreadable_reply(line: bytes, error: ValueError) -> Any:
     """A reply to a request (it has the request's id) that the SDK cannot read, as an error reply
     to that request, so the call fails now, saying why, instead of waiting out its timeout; None
     for a line that is no reply. The standard library reads what the SDK refuses: a lone
-    surrogate such as "\\udcff" (Python's json.dumps of text read with surrogateescape)."""
+    surrogate such as "\\udcff" (Python's json.dumps of text read with surrogateescape). A reply
+    nested deeper than any parser here reads is known by its outermost keys (`_shallow_id`)."""
     from mcp.types import PARSE_ERROR, ErrorData, JSONRPCError
 
     try:
         data = json.loads(line)
-    except (ValueError, RecursionError):
+    except ValueError:
         return None
+    except RecursionError:
+        data = _shallow_id(line)
     if not isinstance(data, dict) or "method" in data or not ("result" in data or "error" in data):
         return None
     request = data.get("id")
@@ -91,6 +95,27 @@ def unreadable_reply(line: bytes, error: ValueError) -> Any:
     reason = reason.split(" [type=")[0]  # pydantic then quotes the line: the server's data, not the reason
     return JSONRPCError(jsonrpc="2.0", id=request, error=ErrorData(
         code=PARSE_ERROR, message=f"a reply that is not JSON-RPC the MCP SDK reads ({reason[:200]})"))
+
+
+_ID = rb'(-?\d+|"(?:[^"\\]|\\.)*")'
+# A reply's outermost keys as the SDKs write them: `jsonrpc` and `id` before `result` or `error`
+# (Python's), or the `id` last (TypeScript's); read without descending into the nesting.
+_REPLY_HEAD = re.compile(rb'\A\s*\{\s*(?:"jsonrpc"\s*:\s*"2\.0"\s*,\s*)?(?:"id"\s*:\s*' + _ID +
+                         rb'\s*,\s*)?(?:"jsonrpc"\s*:\s*"2\.0"\s*,\s*)?"(?:result|error)"\s*:')
+_TAIL_ID = re.compile(rb',\s*"id"\s*:\s*' + _ID + rb'\s*\}\s*\Z')
+
+
+def _shallow_id(line: bytes) -> dict[str, Any] | None:
+    """`{"id": ..., "result": None}` for a line whose outermost object opens as a reply and names
+    its id first or last (the key right before the closing brace is an outermost one); None else."""
+    head = _REPLY_HEAD.match(line)
+    found = head.group(1) if head is not None else None
+    if head is not None and found is None:
+        tail = _TAIL_ID.search(line[-512:])
+        found = tail.group(1) if tail is not None else None
+    if found is None:
+        return None
+    return {"id": json.loads(found), "result": None}
 
 
 class ErrorLog(asyncio.Protocol):

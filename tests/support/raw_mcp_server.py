@@ -1,7 +1,8 @@
 """An MCP server over stdio written by hand (JSON-RPC lines), for what the SDK's own server refuses
 to send: it lists `ok_echo` (a valid tool) beside `bad_properties` and `bad_type`, whose input
 schemas are not JSON object schemas. With `--surrogate` its calls answer text read from bytes with
-surrogateescape, which json.dumps writes as a lone surrogate ("\\udcff") the SDK cannot read."""
+surrogateescape, which json.dumps writes as a lone surrogate ("\\udcff") the SDK cannot read; with
+`--deep` their result holds a value nested 100,000 deep, past every JSON parser's stack here."""
 
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def answer(request: dict) -> dict | None:
 for line in sys.stdin:
     if line.strip():
         reply = answer(json.loads(line))
-        if reply is not None:
+        if reply is not None and "--deep" in sys.argv and reply.get("result", {}).get("content"):
+            deep = "[" * 100_000 + "]" * 100_000  # written by hand: json.dumps cannot nest this far
+            sys.stdout.write(f'{{"jsonrpc": "2.0", "id": {json.dumps(reply["id"])}, "result": '
+                             f'{{"content": [], "structuredContent": {{"v": {deep}}}}}}}\n')
+            sys.stdout.flush()
+        elif reply is not None:
             sys.stdout.write(json.dumps(reply) + "\n")
             sys.stdout.flush()

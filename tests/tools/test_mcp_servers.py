@@ -191,13 +191,17 @@ def test_a_crashing_server_says_how_it_ended():
     assert r.record.error == "tool crash cannot work: MCP server 'engine-test' exited with status 3"
 
 
-def test_a_reply_the_sdk_cannot_read_fails_the_call_at_once_saying_so_not_at_its_timeout():
-    r, server = rollout([turn(call("ok_echo", text="hi")), turn("Never asked.")], (f"{RAW_SERVER} --surrogate",),
+@pytest.mark.parametrize("flag, why", [
+    ("--surrogate", "(Invalid JSON: lone leading surrogate"),
+    ("--deep", "(Invalid JSON: recursion limit exceeded"),  # nested past every parser here: known by its outermost keys
+])
+def test_a_reply_the_sdk_cannot_read_fails_the_call_at_once_saying_so_not_at_its_timeout(flag: str, why: str):
+    r, server = rollout([turn(call("ok_echo", text="hi")), turn("Never asked.")], (f"{RAW_SERVER} {flag}",),
                         tools=("ok_echo",), tool_timeout=30)
     assert (r.state, r.record.reason) == ("FAILED", "tool_unavailable")
     assert r.record.error.startswith("tool ok_echo cannot work: MCP server 'raw' answered error -32700: a reply that "
-                                     "is not JSON-RPC the MCP SDK reads (Invalid JSON: lone "), r.record.error
-    assert "surrogate" in r.record.error and "input_value" not in r.record.error  # the reason, not the reply's data
+                                     "is not JSON-RPC the MCP SDK reads " + why), r.record.error
+    assert "input_value" not in r.record.error  # the reason, not the reply's data
     assert r.record.tools.seconds < 10  # before: "did not answer within 30 seconds", after all 30
     assert len(server.requests) == 1
 
@@ -208,7 +212,11 @@ def test_a_reply_the_sdk_cannot_read_fails_the_call_at_once_saying_so_not_at_its
     (b'{"jsonrpc": "2.0", "id": 7, "method": "x", "params": {"t": "\\udcff"}}', None),  # a request, not a reply
     (b'{"jsonrpc": "2.0", "id": null, "result": {"t": "\\udcff"}}', None),
     (b"Starting server v1.0 ...", None),  # a banner: skipped, as before
-    (b'{"jsonrpc": "2.0", "id": 7, "result": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # no reader reads it
+    # nested past every parser here: known by its outermost keys, the id first (Python's SDK) or last (TypeScript's)
+    (b'{"jsonrpc": "2.0", "id": 7, "result": ' + b"[" * 5000 + b"]" * 5000 + b"}", 7),
+    (b'{"result": ' + b"[" * 5000 + b"]" * 5000 + b', "jsonrpc": "2.0", "id": "r-2"}', "r-2"),
+    (b'{"jsonrpc": "2.0", "id": 7, "method": "x", "params": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
+    (b'{"result": {"v": ' + b"[" * 5000 + b"]" * 5000 + b', "id": 3}}', None),  # an inner id is not the reply's
 ])
 def test_only_a_reply_to_a_request_becomes_an_error_reply(line: bytes, answers: Any):
     from engine.tools.mcp_stdio import unreadable_reply
