@@ -136,7 +136,7 @@ class ErrorLog(asyncio.Protocol):
             if self.total + len(data) > STDERR_LOG_LIMIT:
                 log.info("MCP server %r: its stderr past %d KiB is not logged", self.name, STDERR_LOG_LIMIT >> 10)
         self.total += len(data)
-        self._tail = (self._tail + data)[-STDERR_TAIL:]
+        self._tail = (self._tail + data[-STDERR_TAIL:])[-STDERR_TAIL:]  # a flood's chunk is not copied whole
 
     def _take(self, data: bytes) -> None:
         *lines, self._pending = (self._pending + data).split(b"\n")

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.sandbox import client, runner
-from engine.sandbox.attacks.lab import SITE, Lab, Run, Verdict, attack, processes, site_file
+from engine.sandbox.attacks.lab import NAMED, SITE, Lab, Run, Verdict, attack, processes, site_file, status_field
 
 _MIB = 1 << 20
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS = 0x80086601, 0x40086602
@@ -49,18 +49,10 @@ async def _watch(task: asyncio.Task[Run], tag: str, read: Callable[[int], dict[s
     return seen
 
 
-def _status(pid: int, field: str) -> str:
-    with open(f"/proc/{pid}/status") as f:
-        return next(line.split(":", 1)[1].strip() for line in f if line.startswith(field + ":"))
-
-
 def _limit(pid: int, name: str) -> str:
     """The soft and hard value of one row of /proc/<pid>/limits ("Max core file size" ...)."""
     with open(f"/proc/{pid}/limits") as f:
         return " ".join(next(line[len(name):].split()[:2] for line in f if line.startswith(name)))
-
-
-NAMED = "import ctypes, os\nlibc('prctl', 15, b'{tag}', 0, 0, 0)  # PR_SET_NAME: how the engine finds it\n"
 
 
 def _flags(path: str) -> int:
@@ -210,7 +202,7 @@ report(mapped=mapped, stop=stop)
 time.sleep(0.4)
 """
     task = asyncio.create_task(lab.run(code, memory_bytes=budget, timeout_s=10.0))
-    seen = await _watch(task, tag, lambda pid: {"pte": int(_status(pid, "VmPTE").split()[0]) * 1024,
+    seen = await _watch(task, tag, lambda pid: {"pte": int(status_field(pid, "VmPTE").split()[0]) * 1024,
                                                 "oom": int(Path(f"/proc/{pid}/oom_score_adj").read_text())})
     run = task.result()
     peak = max((s["pte"] for s in seen), default=0)

@@ -172,6 +172,16 @@ def processes(uid: int | None = None, comm_prefix: str | None = None) -> list[in
     return found
 
 
+# Prepended to an attack's code: the run names itself `tag`, so the host finds it (`processes`).
+NAMED = "import ctypes, os\nlibc('prctl', 15, b'{tag}', 0, 0, 0)  # PR_SET_NAME: how the engine finds it\n"
+
+
+def status_field(pid: int, field: str) -> str:
+    """One field of the host's /proc/<pid>/status ("SigQ", "Name", ...)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith(field + ":"))
+
+
 def survivors(uid: int) -> list[int]:
     """Live processes of sandbox `uid`, counted while holding its lease lock when possible,
     so a later run of another engine that leased the same uid is not mistaken for ours."""

@@ -23,10 +23,9 @@ import time
 import uuid
 
 from engine.sandbox import runner
-from engine.sandbox.attacks.lab import Lab, Run, Verdict, attack, processes
+from engine.sandbox.attacks.lab import NAMED, Lab, Run, Verdict, attack, processes, status_field
 
 DENIED = {"EPERM", "EACCES", "EROFS", "ENOENT", "ESRCH"}
-NAMED = "import ctypes, os\nlibc('prctl', 15, b'{tag}', 0, 0, 0)  # PR_SET_NAME: how the engine finds it\n"
 
 
 def _meminfo(field: str) -> int:
@@ -43,11 +42,6 @@ async def _live(tag: str, task: asyncio.Task[Run], wait_s: float = 10.0) -> int 
             return found[0]
         await asyncio.sleep(0.02)
     return None
-
-
-def _status(pid: int, field: str) -> str:
-    with open(f"/proc/{pid}/status") as f:
-        return next(line.split(":", 1)[1].strip() for line in f if line.startswith(field + ":"))
 
 
 @attack("hugetlb pages outside the memory budget")
@@ -121,7 +115,7 @@ time.sleep(1.0)
     pid, seen, engine = await _live(tag, task), "?", "not tried: the run was not seen"
     while pid is not None and not task.done():
         try:
-            seen = _status(pid, "SigQ")
+            seen = status_field(pid, "SigQ")
             queued, limit = (int(n) for n in seen.split("/"))
         except (OSError, ValueError, StopIteration):
             break  # gone meanwhile
@@ -209,7 +203,7 @@ time.sleep(0.4)
         for pid in processes(comm_prefix=tag) + processes(comm_prefix="python-engine"):
             try:
                 with open(f"/proc/{pid}/oom_score_adj") as f:
-                    seen.add((f.read().strip(), _status(pid, "Name")))
+                    seen.add((f.read().strip(), status_field(pid, "Name")))
             except (OSError, StopIteration):
                 pass  # gone meanwhile
         await asyncio.sleep(0.02)
