@@ -131,11 +131,11 @@ class ErrorLog(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         """Keep the tail; log the lines that ended, while under the limit."""
-        if self.total < STDERR_LOG_LIMIT:
-            self._take(data[:STDERR_LOG_LIMIT - self.total])
-            if self.total + len(data) > STDERR_LOG_LIMIT:
-                log.info("MCP server %r: its stderr past %d KiB is not logged", self.name, STDERR_LOG_LIMIT >> 10)
-        self.total += len(data)
+        before, self.total = self.total, self.total + len(data)
+        if before < STDERR_LOG_LIMIT:
+            self._take(data[:STDERR_LOG_LIMIT - before])
+        if before <= STDERR_LOG_LIMIT < self.total:  # said once, also when a chunk ended right at the limit
+            log.info("MCP server %r: its stderr past %d KiB is not logged", self.name, STDERR_LOG_LIMIT >> 10)
         self._tail = (self._tail + data[-STDERR_TAIL:])[-STDERR_TAIL:]  # a flood's chunk is not copied whole
 
     def _take(self, data: bytes) -> None:

@@ -101,3 +101,13 @@ def test_the_error_log_cuts_an_endless_line_and_keeps_whole_lines_at_the_end(cap
     assert 6 * STDERR_LINE > STDERR_TAIL  # so the kept end starts inside the long line
     assert errors.tail() == f"the {MASK} line"  # the cut line's remains are not shown as a line
     assert errors.total == 6 * STDERR_LINE + len(b" still the same line\nthe KEY line\n")
+
+
+def test_the_limit_is_said_once_when_a_chunk_ends_right_at_it(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="engine.tools.mcp_stdio")
+    errors = ErrorLog("s", str)
+    for _ in range(3):  # one endless line: the first chunk fills the limit exactly
+        errors.data_received(b"x" * STDERR_LOG_LIMIT)
+    logged = [r.getMessage() for r in records(caplog, "engine.tools.mcp_stdio")]
+    assert logged == ["MCP server 's': " + "x" * STDERR_LINE, "MCP server 's': its stderr past 64 KiB is not logged"]
+    assert errors.total == 3 * STDERR_LOG_LIMIT
